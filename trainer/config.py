@@ -1,0 +1,280 @@
+"""TrainerConfig: the one contract between the API, the CLI, the dashboard and the trainer.
+
+Config groups per role, in the spirit of verl / OpenRLHF: ``model``, ``data``, ``algorithm``,
+``train``, ``rollout``, ``reward``, ``controller``, ``placement``, ``sampling``, ``checkpoint``,
+``eval``, ``report`` and ``seed``. Unknown keys are rejected everywhere, so a typo is an error
+that names its dotted path, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "TrainerConfig",
+    "ConfigError",
+    "load_config",
+    "parse_config",
+    "apply_overrides",
+    "validation_errors",
+]
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Group):
+    path: str = Field(
+        ".yatt/models/arith-micro",
+        description="Local model directory or hub id. With `preset`, a missing directory is "
+        "built locally (random init, tokenizer trained on the task's text).",
+        examples=[".yatt/models/arith-micro", "Qwen/Qwen2.5-0.5B-Instruct"],
+    )
+    preset: Literal["nano", "micro", "small"] | None = Field(
+        None, description="Build a tiny model at `path` when it does not exist yet."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+
+
+class ArithmeticConfig(_Group):
+    digits: int = Field(2, ge=1, le=6, description="Digits per operand.")
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    train_size: int = Field(20_000, ge=1)
+    eval_size: int = Field(256, ge=1)
+
+
+class DataConfig(_Group):
+    task: Literal["arithmetic"] | None = Field(
+        "arithmetic", description="Built-in synthetic task with verifiable answers."
+    )
+    path: str | None = Field(
+        None, description="JSONL or Parquet prompt file, or a hub dataset id; overrides `task`."
+    )
+    eval_path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+
+    @model_validator(mode="after")
+    def _needs_a_source(self) -> DataConfig:
+        if self.task is None and self.path is None:
+            raise ValueError("set data.task or data.path")
+        return self
+
+
+class WarmStartConfig(_Group):
+    steps: int = Field(0, ge=0, description="SFT steps before RL; 0 disables the warm start.")
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(64, ge=1)
+
+
+class AlgorithmConfig(_Group):
+    name: Literal["grpo", "ppo", "rloo", "reinforce_pp", "sft"] = "grpo"
+    kl_coef: float = Field(0.0, ge=0, description="KL to the frozen reference; 0 disables it.")
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_in_reward: bool = Field(False, description="Subtract KL from the reward instead of the loss.")
+    clip_ratio_low: float = Field(0.2, gt=0, lt=1)
+    clip_ratio_high: float = Field(0.2, gt=0, description="> clip_ratio_low is DAPO clip-higher.")
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    entropy_coef: float = Field(0.0, ge=0)
+    norm_adv_by_std: bool = True
+    gamma: float = Field(1.0, gt=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    critic_lr: float = Field(1e-4, gt=0)
+    overlong_penalty: float = Field(0.0, ge=0, description="DAPO soft overlong penalty weight.")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+
+class TrainConfig(_Group):
+    max_steps: int = Field(50, ge=1)
+    lr: float = Field(1e-5, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    batch_size: int = Field(16, ge=1, description="Prompts per step, across all controllers.")
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward chunk.")
+    ppo_epochs: int = Field(1, ge=1)
+    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class RolloutConfig(_Group):
+    engine: Literal["vllm", "hf"] = "vllm"
+    n: int = Field(8, ge=1, description="Responses sampled per prompt.")
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: list[str] = Field(default_factory=list)
+    kv_cache_gb: float = Field(1.0, gt=0, description="vLLM KV cache (CPU: VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.4, gt=0, le=1)
+
+
+class RewardConfig(_Group):
+    kind: Literal["rule", "function", "model", "remote"] = "rule"
+    rule: Literal["exact_match", "format", "exact_match+format"] = "exact_match"
+    function: str | None = Field(None, description="`module:function` for kind=function.")
+    model_path: str | None = Field(None, description="HF sequence classifier for kind=model.")
+    url: str | None = Field(None, description="Remote scorer endpoint for kind=remote.")
+    timeout_s: float = Field(10.0, gt=0)
+    retries: int = Field(3, ge=0)
+    batch_size: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _kind_has_its_source(self) -> RewardConfig:
+        needed = {"function": "function", "model": "model_path", "remote": "url"}.get(self.kind)
+        if needed and getattr(self, needed) is None:
+            raise ValueError(f"reward.kind={self.kind} needs reward.{needed}")
+        if self.function is not None and ":" not in self.function:
+            raise ValueError("reward.function must look like 'module:function'")
+        return self
+
+
+class ControllerConfig(_Group):
+    mode: Literal["parallel", "single"] = Field(
+        "parallel", description="parallel: one RL loop per data-parallel rank (YATT); "
+        "single: one controller moves all data (verl-style baseline)."
+    )
+    max_restarts: int = Field(2, ge=0, description="Controller restarts from checkpoint.")
+
+
+class PlacementConfig(_Group):
+    mode: Literal["colocate", "disaggregated", "partial_colocate", "auto"] = "colocate"
+    devices: int = Field(2, ge=1, description="GPUs, or slices of cores on a CPU machine.")
+    device_type: Literal["auto", "cpu", "gpu"] = "auto"
+    rollout_devices: int | None = Field(
+        None, ge=1, description="Devices in the rollout pool (disaggregated); default half."
+    )
+    staleness: int = Field(1, ge=0, description="Max policy versions a rollout may lag.")
+    cpus_per_device: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _split_fits(self) -> PlacementConfig:
+        if self.rollout_devices is not None and self.rollout_devices >= self.devices:
+            raise ValueError("placement.rollout_devices must be less than placement.devices")
+        return self
+
+
+class SamplingConfig(_Group):
+    dynamic: bool = Field(False, description="DAPO dynamic sampling: drop zero-variance groups.")
+    max_refills: int = Field(3, ge=0)
+    ema_decay: float = Field(0.9, ge=0, lt=1)
+    max_oversample: float = Field(4.0, ge=1)
+
+
+class CheckpointConfig(_Group):
+    every_steps: int = Field(10, ge=1)
+    keep: int = Field(2, ge=1)
+    export_final: bool = True
+
+
+class EvalConfig(_Group):
+    every_steps: int = Field(0, ge=0, description="0: evaluate only when RL starts and ends.")
+    size: int = Field(256, ge=1)
+
+
+class ReportConfig(_Group):
+    flush_interval_s: float = Field(1.0, gt=0)
+    max_batch: int = Field(2000, ge=1, le=10_000)
+    log_every_steps: int = Field(1, ge=1)
+
+
+class TrainerConfig(_Group):
+    """A whole training run. Every field has a default, so `{}` is a valid (tiny) run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _batch_splits_across_controllers(self) -> TrainerConfig:
+        ranks = self.data_parallel_size
+        if self.train.batch_size % ranks:
+            raise ValueError(
+                f"train.batch_size={self.train.batch_size} must divide evenly across "
+                f"{ranks} data-parallel controllers"
+            )
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of training controllers this placement runs."""
+        if self.controller.mode == "single":
+            return 1
+        if self.placement.mode == "disaggregated":
+            return self.placement.devices - self.rollout_pool_size
+        return self.placement.devices
+
+    @property
+    def rollout_pool_size(self) -> int:
+        """Devices that generate in disaggregated mode."""
+        if self.placement.rollout_devices is not None:
+            return self.placement.rollout_devices
+        return max(1, self.placement.devices // 2)
+
+
+class ConfigError(ValueError):
+    """A config that does not validate; ``errors`` holds (dotted path, message) pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{path}: {msg}" if path else msg for path, msg in errors))
+
+
+def validation_errors(exc: ValidationError) -> list[tuple[str, str]]:
+    """Turn a pydantic error into (dotted path, message) pairs a person can act on."""
+    out = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        out.append((path, msg))
+    return out
+
+
+def parse_config(data: dict[str, Any]) -> TrainerConfig:
+    """Validate a plain dict; raises ConfigError naming every bad field path."""
+    try:
+        return TrainerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(validation_errors(exc)) from exc
+
+
+def apply_overrides(data: dict[str, Any], sets: list[str]) -> dict[str, Any]:
+    """Apply `key.path=value` overrides (values parsed as YAML) to a config dict, in place."""
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([(item, "override must look like key.path=value")])
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError([(key, f"'{part}' is not a group")])
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def load_config(path: str | Path, sets: list[str] | None = None) -> TrainerConfig:
+    """Read a YAML config file, apply overrides, validate."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"{path} must hold a mapping at the top level")])
+    return parse_config(apply_overrides(data, sets or []))
