@@ -1,0 +1,97 @@
+"""Placement on Ray: a placement group with one bundle per device, and the actor options that pin
+a role to its device.
+
+A device is a GPU (Ray's `GPU` resource) or, on a CPU machine, a slice of cores declared to Ray
+as the logical resource `yatt_device` (a local head gets it from `ray.init(resources=...)`; on a
+cluster start the nodes with `--resources='{"yatt_device": N}'`). A cluster that declares no
+`yatt_device` falls back to plain CPU bundles, with a warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.config import ConfigError, TrainerConfig
+from trainer.placement.plan import PlacementPlan, plan_placement, resolve_device_type
+
+__all__ = ["DEVICE_RESOURCE", "Placement", "PlacementPlan", "build_placement", "plan_placement"]
+
+DEVICE_RESOURCE = "yatt_device"
+
+
+@dataclass
+class Placement:
+    plan: PlacementPlan
+    group: Any  # ray.util.placement_group.PlacementGroup
+    device_resource: str | None
+    warnings: list[str] = field(default_factory=list)
+
+    def actor_options(self, device: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Options for `ActorClass.options(...)` that pin an actor to `device`."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts: dict[str, Any] = {
+            "num_cpus": self.plan.cpus_per_device,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=device),
+            "runtime_env": {"env_vars": {**self.device_env(), **(env or {})}},
+        }
+        if self.plan.device_type == "gpu":
+            opts["num_gpus"] = 1
+        elif self.device_resource:
+            opts["resources"] = {self.device_resource: 1}
+        return opts
+
+    def device_env(self) -> dict[str, str]:
+        threads = str(max(1, int(self.plan.cpus_per_device)))
+        return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+    def remove(self) -> None:
+        import ray
+
+        try:
+            ray.util.remove_placement_group(self.group)
+        except Exception:
+            pass
+
+
+def build_placement(cfg: TrainerConfig, *, timeout_s: float = 120.0) -> Placement:
+    """Reserve one bundle per device on the connected Ray cluster and return the placement."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    resources = ray.cluster_resources()
+    device_type = resolve_device_type(cfg.placement.device_type, resources.get("GPU", 0.0))
+    plan = plan_placement(cfg, device_type=device_type)
+    warnings: list[str] = []
+    c = cfg.placement.cpus_per_device
+    if device_type == "gpu":
+        if resources.get("GPU", 0.0) < plan.devices:
+            raise ConfigError([("placement.devices", f"{plan.devices} GPUs requested, the Ray "
+                                f"cluster has {resources.get('GPU', 0.0):g}")])
+        bundles = [{"GPU": 1.0, "CPU": c} for _ in range(plan.devices)]
+        device_resource = None
+    else:
+        have = resources.get(DEVICE_RESOURCE, 0.0)
+        if have >= plan.devices:
+            device_resource = DEVICE_RESOURCE
+            bundles = [{DEVICE_RESOURCE: 1.0, "CPU": c} for _ in range(plan.devices)]
+        else:
+            device_resource = None
+            bundles = [{"CPU": c} for _ in range(plan.devices)]
+            warnings.append(f"the Ray cluster declares {have:g} '{DEVICE_RESOURCE}' resources for "
+                            f"{plan.devices} devices; placing on plain CPU bundles instead")
+        if resources.get("CPU", 0.0) < plan.devices * c:
+            raise ConfigError([("placement.devices", f"{plan.devices} devices × {c:g} CPUs need "
+                                f"{plan.devices * c:g} CPUs, the Ray cluster has "
+                                f"{resources.get('CPU', 0.0):g}")])
+    group = placement_group(bundles, strategy="PACK", name="")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except Exception as exc:
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(f"could not reserve {plan.devices} devices within {timeout_s:.0f}s "
+                           f"(bundles {bundles}): {exc}") from exc
+    return Placement(plan=plan, group=group, device_resource=device_resource, warnings=warnings)

@@ -1,0 +1,65 @@
+"""Placement plans: which device runs which role. Pure functions, no Ray: easy to test and to
+extend (`partial_colocate` and `auto` add plans of their own)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trainer.config import ConfigError, TrainerConfig
+
+__all__ = ["PlacementPlan", "plan_placement", "resolve_device_type"]
+
+
+@dataclass
+class PlacementPlan:
+    """Devices are numbered 0..devices-1; each hosts exactly one actor.
+
+    `train_devices[r]` is the device of data-parallel controller r. A controller whose device is
+    also listed in `local_sampler_devices` holds its own sampler in-process (colocated: it sleeps
+    while the policy trains); `rollout_devices` host remote rollout workers, and
+    `rollout_assignment[r]` names the ones controller r sends its prompts to.
+    """
+
+    mode: str
+    device_type: str
+    devices: int
+    cpus_per_device: float
+    train_devices: list[int]
+    local_sampler_devices: list[int]
+    rollout_devices: list[int]
+    rollout_assignment: list[list[int]]
+    overlap: bool = False
+    staleness: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_event(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["pools"] = {"train": self.train_devices, "rollout": self.rollout_devices
+                         or self.local_sampler_devices}
+        return data
+
+
+def resolve_device_type(requested: str, gpus_available: float) -> str:
+    if requested == "auto":
+        return "gpu" if gpus_available >= 1 else "cpu"
+    return requested
+
+
+def plan_placement(cfg: TrainerConfig, *, device_type: str) -> PlacementPlan:
+    """The placement for `cfg` on `cfg.placement.devices` devices of `device_type`."""
+    p = cfg.placement
+    single = cfg.controller.mode == "single"
+    if p.mode in ("partial_colocate", "auto"):
+        raise ConfigError([("placement.mode", f"'{p.mode}' is not implemented yet; "
+                            "use 'colocate' or 'disaggregated'")])
+    devices = list(range(p.devices))
+    if p.mode == "colocate":
+        from trainer.placement.colocate import plan_colocate
+
+        return plan_colocate(cfg, devices, device_type, single)
+    if p.mode == "disaggregated":
+        from trainer.placement.disaggregated import plan_disaggregated
+
+        return plan_disaggregated(cfg, devices, device_type, single)
+    raise ConfigError([("placement.mode", f"unknown mode {p.mode!r}")])
