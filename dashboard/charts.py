@@ -1,0 +1,321 @@
+"""Plotly figures for the dashboard, built from plain API answers (no Streamlit here).
+
+Every figure leaves colours of paper, fonts and grid to the caller's theme (Streamlit's
+`theme="streamlit"` restyles them for light and dark), and only fixes what carries meaning:
+one colour per phase in the timeline, one per device in device charts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import plotly.graph_objects as go
+
+__all__ = [
+    "PHASE_COLORS",
+    "Panel",
+    "metric_panels",
+    "line_figure",
+    "phase_spans",
+    "gantt_figure",
+    "phase_share",
+    "overlay_figure",
+]
+
+Point = Mapping[str, Any]  # {"step", "value", "time"}
+
+# Colour-blind-safe (Okabe-Ito) hues that read on white and on near-black backgrounds.
+PHASE_COLORS: dict[str, str] = {
+    "rollout": "#0072B2",
+    "reward": "#E69F00",
+    "reference": "#CC79A7",
+    "train": "#009E73",
+    "weight_sync": "#D55E00",
+    "eval": "#56B4E9",
+    "checkpoint": "#999999",
+}
+_FALLBACK_COLORS = ("#F0E442", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
+
+
+@dataclass
+class Panel:
+    """One chart on the run page: a title, the metric keys it draws and their legend labels."""
+
+    title: str
+    keys: list[str]
+    labels: dict[str, str] = field(default_factory=dict)
+    y_title: str = ""
+
+    def label(self, key: str) -> str:
+        return self.labels.get(key, key)
+
+
+_DEVICE_KEY = re.compile(r"^device/(\d+)/(.+)$")
+
+# (title, key prefix, y-axis title), in the order a person scans a run: is it fast, is the
+# hardware busy, is it learning.
+_PREFIX_PANELS: tuple[tuple[str, str, str], ...] = (
+    ("Throughput", "throughput/", "per second"),
+    ("Reward", "reward/", "reward"),
+    ("KL", "kl/", "KL"),
+    ("Losses", "loss/", "loss"),
+    ("Response length", "response/", "tokens"),
+    ("Dynamic sampling", "sampling/", ""),
+    ("Time per phase", "time/", "seconds"),
+)
+_DEVICE_PANELS: tuple[tuple[str, str, str], ...] = (
+    ("Device utilization", "util_pct", "%"),
+    ("Device memory", "memory_mb", "MB"),
+)
+
+
+def metric_panels(keys: Iterable[str]) -> list[Panel]:
+    """Group metric keys into the run page's charts; every key lands in exactly one panel.
+
+    Device metrics get one line per device (`device/<i>/util_pct` → "device 0"); prefixed
+    groups (`reward/*`, `kl/*`, …) share a chart; anything else gets a chart of its own.
+    """
+    remaining = sorted(set(keys), key=_natural_key)
+    panels: list[Panel] = []
+
+    device_metrics: dict[str, list[str]] = defaultdict(list)
+    for key in remaining:
+        m = _DEVICE_KEY.match(key)
+        if m:
+            device_metrics[m.group(2)].append(key)
+    used: set[str] = set()
+    for title, prefix, y_title in _PREFIX_PANELS[:1]:  # throughput first
+        panels += _prefix_panel(remaining, used, title, prefix, y_title)
+    for title, metric, y_title in _DEVICE_PANELS:
+        keys_here = device_metrics.pop(metric, [])
+        if keys_here:
+            labels = {k: f"device {_DEVICE_KEY.match(k).group(1)}" for k in keys_here}  # type: ignore[union-attr]
+            panels.append(Panel(title, keys_here, labels, y_title))
+            used.update(keys_here)
+    for metric, keys_here in sorted(device_metrics.items()):
+        if metric == "memory_total_mb":  # a constant; shown as the memory chart's ceiling
+            used.update(keys_here)
+            continue
+        labels = {k: f"device {_DEVICE_KEY.match(k).group(1)}" for k in keys_here}  # type: ignore[union-attr]
+        panels.append(Panel(f"Device {metric.replace('_', ' ')}", keys_here, labels))
+        used.update(keys_here)
+    for title, prefix, y_title in _PREFIX_PANELS[1:]:
+        panels += _prefix_panel(remaining, used, title, prefix, y_title)
+    for key in remaining:
+        if key not in used:
+            panels.append(Panel(key, [key], {key: key.rsplit("/", 1)[-1]}))
+    return panels
+
+
+def _prefix_panel(
+    keys: list[str], used: set[str], title: str, prefix: str, y_title: str
+) -> list[Panel]:
+    mine = [k for k in keys if k.startswith(prefix) and k not in used]
+    if not mine:
+        return []
+    used.update(mine)
+    return [Panel(title, mine, {k: k[len(prefix):] for k in mine}, y_title)]
+
+
+def _natural_key(key: str) -> list[Any]:
+    # device/10 after device/9
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def line_figure(
+    panel: Panel,
+    series: Mapping[str, Sequence[Point]],
+    *,
+    x: str = "step",
+    height: int = 280,
+) -> go.Figure:
+    """One line per key of the panel that has points; x is `step` or `time`."""
+    fig = go.Figure()
+    for key in panel.keys:
+        points = series.get(key) or []
+        if not points:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=[p[x] for p in points],
+                y=[p["value"] for p in points],
+                mode="lines" if len(points) > 1 else "markers",
+                name=panel.label(key),
+                hovertemplate=f"{panel.label(key)}<br>{x} %{{x}}<br>%{{y:.4g}}<extra></extra>",
+            )
+        )
+    _style(fig, panel.title, x_title=x, y_title=panel.y_title, height=height)
+    fig.update_layout(showlegend=len(fig.data) > 1)
+    return fig
+
+
+def overlay_figure(
+    metric: str,
+    series_by_run: Mapping[str, Sequence[Point]],
+    *,
+    x: str = "step",
+    height: int = 380,
+) -> go.Figure:
+    """One metric, one line per run (Compare page); legend entries are the runs' labels."""
+    fig = go.Figure()
+    for label, points in series_by_run.items():
+        if not points:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=[p[x] for p in points],
+                y=[p["value"] for p in points],
+                mode="lines" if len(points) > 1 else "markers",
+                name=label,
+                hovertemplate=f"{label}<br>{x} %{{x}}<br>%{{y:.4g}}<extra></extra>",
+            )
+        )
+    _style(fig, metric, x_title=x, y_title="", height=height)
+    return fig
+
+
+def phase_spans(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """All spans carried by `phase_spans` events, sorted by start time.
+
+    Each span is `{"device", "phase", "start", "end", "step"}` (times in unix seconds);
+    malformed spans (missing fields, end before start) are skipped rather than drawn wrong.
+    """
+    spans: list[dict[str, Any]] = []
+    for event in events:
+        if event.get("kind") != "phase_spans":
+            continue
+        for span in (event.get("data") or {}).get("spans") or []:
+            try:
+                start, end = float(span["start"]), float(span["end"])
+                item = {
+                    "device": int(span["device"]),
+                    "phase": str(span["phase"]),
+                    "start": start,
+                    "end": end,
+                    "step": int(span.get("step", -1)),
+                }
+            except (KeyError, TypeError, ValueError):
+                continue
+            if end >= start:
+                spans.append(item)
+    spans.sort(key=lambda s: (s["start"], s["device"]))
+    return spans
+
+
+def _phase_color(phase: str, extra: dict[str, str]) -> str:
+    if phase in PHASE_COLORS:
+        return PHASE_COLORS[phase]
+    if phase not in extra:
+        extra[phase] = _FALLBACK_COLORS[len(extra) % len(_FALLBACK_COLORS)]
+    return extra[phase]
+
+
+def gantt_figure(
+    spans: Sequence[Mapping[str, Any]],
+    *,
+    last_steps: int | None = None,
+    height: int | None = None,
+) -> go.Figure:
+    """Per-device phase timeline: one row per device, one bar per span, gaps are idle time.
+
+    The x axis is seconds since the first span shown; `last_steps` keeps only the newest steps
+    so a long run stays readable (and cheap to draw).
+    """
+    shown = list(spans)
+    if last_steps is not None and shown:
+        steps = sorted({s["step"] for s in shown})
+        keep = set(steps[-last_steps:])
+        shown = [s for s in shown if s["step"] in keep]
+    fig = go.Figure()
+    if not shown:
+        _style(fig, "Phase timeline", x_title="seconds", y_title="", height=height or 160)
+        return fig
+    t0 = min(s["start"] for s in shown)
+    devices = sorted({s["device"] for s in shown})
+    by_phase: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for s in shown:
+        by_phase[s["phase"]].append(s)
+    extra: dict[str, str] = {}
+    order = [p for p in PHASE_COLORS if p in by_phase] + sorted(set(by_phase) - set(PHASE_COLORS))
+    for phase in order:
+        items = by_phase[phase]
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                name=phase,
+                y=[f"device {s['device']}" for s in items],
+                base=[s["start"] - t0 for s in items],
+                x=[max(s["end"] - s["start"], 1e-6) for s in items],
+                marker_color=_phase_color(phase, extra),
+                customdata=[[s["step"], s["end"] - s["start"]] for s in items],
+                hovertemplate=(
+                    f"{phase}<br>%{{y}}<br>step %{{customdata[0]}}"
+                    "<br>%{base:.2f}s → +%{customdata[1]:.3f}s<extra></extra>"
+                ),
+            )
+        )
+    rows = [f"device {d}" for d in devices]
+    _style(fig, "Phase timeline", x_title="seconds", y_title="",
+           height=height or max(180, 70 + 44 * len(devices)))
+    fig.update_layout(barmode="overlay", bargap=0.25)
+    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(rows)))
+    return fig
+
+
+def phase_share(spans: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per device: seconds in each phase and the idle share of the window the spans cover.
+
+    Answers "is this placement balanced": a device that mostly waits has a high idle share.
+    Overlapping spans on one device are merged before busy time is counted.
+    """
+    if not spans:
+        return []
+    t0 = min(s["start"] for s in spans)
+    t1 = max(s["end"] for s in spans)
+    window = max(t1 - t0, 1e-9)
+    per_device: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for s in spans:
+        per_device[s["device"]].append(s)
+    rows = []
+    for device in sorted(per_device):
+        items = per_device[device]
+        row: dict[str, Any] = {"device": device}
+        for s in items:
+            row[s["phase"]] = row.get(s["phase"], 0.0) + (s["end"] - s["start"])
+        busy = _union_length([(s["start"], s["end"]) for s in items])
+        row["busy_s"] = busy
+        row["idle_pct"] = 100.0 * (1.0 - busy / window)
+        rows.append(row)
+    return rows
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total = 0.0
+    cur_start: float | None = None
+    cur_end = 0.0
+    for start, end in sorted(intervals):
+        if cur_start is None or start > cur_end:
+            if cur_start is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_start is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _style(fig: go.Figure, title: str, *, x_title: str, y_title: str, height: int) -> None:
+    fig.update_layout(
+        title={"text": title, "x": 0, "xanchor": "left", "font": {"size": 15}},
+        height=height,
+        margin={"l": 10, "r": 10, "t": 40, "b": 10},
+        legend={"orientation": "h", "y": -0.25, "x": 0},
+        hovermode="x unified" if x_title != "seconds" else "closest",
+    )
+    fig.update_xaxes(title_text=x_title)
+    fig.update_yaxes(title_text=y_title)

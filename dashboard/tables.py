@@ -1,0 +1,189 @@
+"""Tables and text for the dashboard, built from plain API answers (no Streamlit here)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = [
+    "ACTIVE_STATES",
+    "TERMINAL_STATES",
+    "flatten",
+    "config_diff",
+    "launched_by",
+    "run_rows",
+    "metrics_csv",
+    "parse_time",
+    "format_duration",
+    "event_rows",
+]
+
+ACTIVE_STATES = frozenset({"queued", "starting", "running", "cancelling"})
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+_MISSING = "—"
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict → {"dotted.path": leaf}; lists stay whole leaves (shown as JSON)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def config_diff(configs: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Rows `{"key", <label>: value, ...}` for each dotted key whose value differs across runs.
+
+    A key absent from one config shows as "—" there. Values are rendered as short text so
+    that a list and a number can sit in one column.
+    """
+    flat = {label: flatten(cfg) for label, cfg in configs.items()}
+    keys = sorted(set().union(*(f.keys() for f in flat.values()))) if flat else []
+    rows = []
+    for key in keys:
+        values = [f.get(key, _MISSING) for f in flat.values()]
+        rendered = [_render(v) for v in values]
+        if len(set(rendered)) > 1:
+            rows.append({"key": key, **dict(zip(flat.keys(), rendered, strict=True))})
+    return rows
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True)
+
+
+def parse_time(value: str | float | int | None) -> datetime | None:
+    """An ISO-8601 string or unix seconds → aware UTC datetime; None stays None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(float(value), tz=UTC)
+    parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def format_duration(seconds: float | None) -> str:
+    """3725 → '1h 2m 5s'; None → '—'."""
+    if seconds is None:
+        return _MISSING
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes}m {secs}s"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{secs}s"
+
+
+def launched_by(run: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(who launched the run, pipeline URL or None): a person's name, or CI with its commit."""
+    ci = run.get("ci") or {}
+    if run.get("launched_by") == "ci" or ci:
+        commit = str(ci.get("commit") or ci.get("sha") or "")[:8]
+        branch = ci.get("branch")
+        label = "CI"
+        if commit:
+            label += f" {commit}"
+        if branch:
+            label += f" ({branch})"
+        return label, ci.get("pipeline_url") or ci.get("url")
+    return str(run.get("launched_by_name") or run.get("launched_by") or "user"), None
+
+
+def _duration(run: Mapping[str, Any], now: datetime) -> float | None:
+    started = parse_time(run.get("started_at"))
+    if started is None:
+        return None
+    ended = parse_time(run.get("finished_at") or run.get("ended_at"))
+    return ((ended or now) - started).total_seconds()
+
+
+def run_rows(
+    runs: Iterable[Mapping[str, Any]],
+    *,
+    metric: str | None = None,
+    now: datetime | None = None,
+) -> list[dict[str, Any]]:
+    """One flat row per run for the History table (and the Compare picker).
+
+    With `metric`, a column holds that summary metric's latest value (None when absent).
+    """
+    now = now or datetime.now(UTC)
+    rows = []
+    for run in runs:
+        who, pipeline = launched_by(run)
+        row: dict[str, Any] = {
+            "id": run["id"],
+            "name": run.get("name") or f"run {run['id']}",
+            "experiment": _experiment_name(run),
+            "state": run.get("state", ""),
+            "attempt": run.get("attempt") or run.get("attempts") or 1,
+            "launched by": who,
+            "pipeline": pipeline,
+            "created": parse_time(run.get("created_at")),
+            "duration": format_duration(_duration(run, now)),
+            "tags": ", ".join(run.get("tags") or []),
+        }
+        if metric:
+            row[metric] = summary_value(run, metric)
+        rows.append(row)
+    return rows
+
+
+def _experiment_name(run: Mapping[str, Any]) -> str:
+    exp = run.get("experiment")
+    if isinstance(exp, Mapping):
+        return str(exp.get("name", ""))
+    return str(exp or run.get("experiment_name") or "")
+
+
+def summary_value(run: Mapping[str, Any], key: str) -> float | None:
+    """The run's summary value for a metric key, whether the summary holds numbers or
+    `{"latest", "min", "max"}` records."""
+    summary = run.get("summary") or run.get("summary_metrics") or {}
+    value = summary.get(key)
+    if isinstance(value, Mapping):
+        value = value.get("latest", value.get("last"))
+    return float(value) if isinstance(value, int | float) else None
+
+
+def metrics_csv(series: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """Long-format CSV: `key,step,value,time` — one line per point, keys in order."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["key", "step", "value", "time"])
+    for key in sorted(series):
+        for p in series[key]:
+            writer.writerow([key, p.get("step"), p.get("value"), p.get("time")])
+    return buf.getvalue()
+
+
+def event_rows(events: Iterable[Mapping[str, Any]], *, include_spans: bool = False) -> list[dict[str, Any]]:
+    """Events for the run's timeline table, newest first; `phase_spans` hidden by default
+    (they are drawn in the Gantt chart, not read as text)."""
+    rows = []
+    for e in events:
+        if e.get("kind") == "phase_spans" and not include_spans:
+            continue
+        data = e.get("data") or {}
+        rows.append(
+            {
+                "time": parse_time(e.get("time") or e.get("created_at")),
+                "kind": e.get("kind", ""),
+                "message": e.get("message", ""),
+                "data": json.dumps(data, sort_keys=True) if data else "",
+            }
+        )
+    rows.sort(key=lambda r: r["time"] or datetime.min.replace(tzinfo=UTC), reverse=True)
+    return rows

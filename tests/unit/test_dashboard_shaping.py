@@ -1,0 +1,242 @@
+"""The dashboard's pure pieces: metric grouping, the phase Gantt, config diffs, the launch form."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import UTC, datetime
+
+import pytest
+
+from dashboard.charts import (
+    PHASE_COLORS,
+    gantt_figure,
+    line_figure,
+    metric_panels,
+    overlay_figure,
+    phase_share,
+    phase_spans,
+)
+from dashboard.launch_form import (
+    FORM_FIELDS,
+    errors_by_field,
+    field_value,
+    merge_form,
+    parse_yaml,
+    set_path,
+)
+from dashboard.tables import (
+    config_diff,
+    event_rows,
+    flatten,
+    format_duration,
+    launched_by,
+    metrics_csv,
+    run_rows,
+)
+
+
+def test_metric_panels_groups_every_key_once_in_reading_order() -> None:
+    keys = [
+        "reward/mean", "reward/std", "kl/mean", "loss/policy", "loss/total",
+        "throughput/generated_tokens_per_s", "throughput/samples_per_s",
+        "device/0/util_pct", "device/1/util_pct", "device/10/util_pct",
+        "device/0/memory_mb", "device/1/memory_mb", "device/0/memory_total_mb",
+        "response/length_mean", "sampling/valid_fraction", "time/rollout", "entropy", "lr",
+    ]
+    panels = metric_panels(keys)
+    titles = [p.title for p in panels]
+    assert titles[:3] == ["Throughput", "Device utilization", "Device memory"]
+    assert titles[3:9] == ["Reward", "KL", "Losses", "Response length", "Dynamic sampling",
+                           "Time per phase"]
+    assert titles[9:] == ["entropy", "lr"]
+    util = panels[1]
+    assert util.keys == ["device/0/util_pct", "device/1/util_pct", "device/10/util_pct"]
+    assert [util.label(k) for k in util.keys] == ["device 0", "device 1", "device 10"]
+    assert panels[0].label("throughput/samples_per_s") == "samples_per_s"
+    drawn = [k for p in panels for k in p.keys]
+    assert len(drawn) == len(set(drawn))
+    # the memory ceiling is a constant, not a chart of its own
+    assert set(drawn) == set(keys) - {"device/0/memory_total_mb"}
+
+
+def test_line_figure_draws_one_trace_per_key_with_points() -> None:
+    panel = metric_panels(["reward/mean", "reward/max"])[0]
+    series = {
+        "reward/mean": [{"step": s, "value": s / 10, "time": 100.0 + s} for s in range(5)],
+        "reward/max": [],
+    }
+    fig = line_figure(panel, series)
+    assert [t.name for t in fig.data] == ["mean"]
+    assert list(fig.data[0].y) == [0.0, 0.1, 0.2, 0.3, 0.4]
+    by_time = line_figure(panel, series, x="time")
+    assert list(by_time.data[0].x) == [100.0, 101.0, 102.0, 103.0, 104.0]
+    assert fig.layout.title.text == "Reward"
+
+
+def test_overlay_figure_has_one_line_per_run() -> None:
+    fig = overlay_figure(
+        "reward/mean",
+        {"#1 a": [{"step": 0, "value": 1.0}, {"step": 1, "value": 2.0}], "#2 b": [], "#3 c": [
+            {"step": 0, "value": 0.5}]},
+    )
+    assert [t.name for t in fig.data] == ["#1 a", "#3 c"]
+    assert fig.data[1].mode == "markers"
+
+
+def _spans_event(spans: list[dict]) -> dict:
+    return {"kind": "phase_spans", "message": "", "data": {"spans": spans}}
+
+
+def test_phase_spans_collects_sorts_and_drops_malformed() -> None:
+    events = [
+        {"kind": "placement", "data": {"mode": "colocate"}},
+        _spans_event([
+            {"device": 1, "phase": "train", "start": 12.0, "end": 14.0, "step": 1},
+            {"device": 0, "phase": "rollout", "start": 10.0, "end": 12.0, "step": 1},
+            {"device": 0, "phase": "train", "start": 15.0, "end": 14.0, "step": 1},  # backwards
+            {"device": 0, "phase": "train"},  # no times
+        ]),
+        _spans_event([{"device": "0", "phase": "train", "start": 12, "end": 13, "step": 1}]),
+    ]
+    spans = phase_spans(events)
+    assert [(s["device"], s["phase"], s["start"]) for s in spans] == [
+        (0, "rollout", 10.0), (0, "train", 12.0), (1, "train", 12.0)
+    ]
+
+
+def test_gantt_figure_one_trace_per_phase_relative_seconds_and_last_steps() -> None:
+    spans = phase_spans([_spans_event([
+        {"device": d, "phase": phase, "start": 100.0 + 10 * step + off,
+         "end": 100.0 + 10 * step + off + dur, "step": step}
+        for step in range(4) for d in (0, 1)
+        for phase, off, dur in (("rollout", 0, 4), ("reward", 4, 1), ("train", 5, 3))
+    ])])
+    fig = gantt_figure(spans)
+    assert [t.name for t in fig.data] == ["rollout", "reward", "train"]
+    rollout = fig.data[0]
+    assert rollout.orientation == "h"
+    assert rollout.marker.color == PHASE_COLORS["rollout"]
+    assert min(rollout.base) == 0.0  # seconds since the first span shown
+    assert set(rollout.y) == {"device 0", "device 1"}
+    assert list(rollout.x[:2]) == [4.0, 4.0]
+    last_two = gantt_figure(spans, last_steps=2)
+    assert min(last_two.data[0].base) == 0.0
+    assert len(last_two.data[0].base) == 4  # 2 steps x 2 devices
+    assert {c[0] for c in last_two.data[0].customdata} == {2, 3}
+    empty = gantt_figure([])
+    assert len(empty.data) == 0
+
+
+def test_phase_share_measures_idle_time_per_device() -> None:
+    spans = phase_spans([_spans_event([
+        # device 0 busy 0-8 of a 10 s window (two overlapping spans count once)
+        {"device": 0, "phase": "rollout", "start": 0, "end": 6, "step": 0},
+        {"device": 0, "phase": "reward", "start": 4, "end": 8, "step": 0},
+        # device 1 busy 5-10
+        {"device": 1, "phase": "train", "start": 5, "end": 10, "step": 0},
+    ])])
+    rows = phase_share(spans)
+    assert rows[0]["device"] == 0 and rows[0]["busy_s"] == pytest.approx(8.0)
+    assert rows[0]["idle_pct"] == pytest.approx(20.0)
+    assert rows[0]["rollout"] == pytest.approx(6.0) and rows[0]["reward"] == pytest.approx(4.0)
+    assert rows[1]["idle_pct"] == pytest.approx(50.0)
+    assert phase_share([]) == []
+
+
+def test_config_diff_lists_only_differing_keys_and_missing_ones() -> None:
+    a = {"train": {"lr": 1e-5, "max_steps": 50}, "rollout": {"n": 8, "stop": ["\n"]}, "seed": 0}
+    b = {"train": {"lr": 5e-5, "max_steps": 50}, "rollout": {"n": 8, "stop": ["\n"]}, "seed": 0,
+         "sampling": {"dynamic": True}}
+    rows = config_diff({"#1": a, "#2": b})
+    assert rows == [
+        {"key": "sampling.dynamic", "#1": "—", "#2": "true"},
+        {"key": "train.lr", "#1": "1e-05", "#2": "5e-05"},
+    ]
+    assert config_diff({"#1": a, "#2": a}) == []
+    assert flatten({"a": {"b": {"c": 1}, "d": []}, "e": {}}) == {"a.b.c": 1, "a.d": [], "e": {}}
+
+
+def test_launched_by_names_ci_commit_and_pipeline() -> None:
+    ci_run = {"launched_by": "ci", "launched_by_name": "gitlab",
+              "ci": {"commit": "0123456789abcdef", "branch": "main",
+                     "pipeline_url": "https://ci.example/p/42"}}
+    assert launched_by(ci_run) == ("CI 01234567 (main)", "https://ci.example/p/42")
+    assert launched_by({"launched_by": "user", "launched_by_name": "ada"}) == ("ada", None)
+    assert launched_by({"launched_by": "user"}) == ("user", None)
+
+
+def test_run_rows_flatten_runs_for_the_history_table() -> None:
+    now = datetime(2026, 1, 1, 12, 0, 10, tzinfo=UTC)
+    runs = [{
+        "id": 7, "name": "demo", "experiment": "arith", "state": "running", "attempt": 2,
+        "tags": ["a", "b"], "created_at": "2026-01-01T11:59:00Z",
+        "started_at": "2026-01-01T12:00:00+00:00", "finished_at": None,
+        "summary": {"reward/mean": {"latest": 0.5, "min": 0.1, "max": 0.6}},
+    }]
+    [row] = run_rows(runs, metric="reward/mean", now=now)
+    assert row["id"] == 7 and row["attempt"] == 2 and row["tags"] == "a, b"
+    assert row["duration"] == "10s"
+    assert row["reward/mean"] == 0.5
+    assert row["created"] == datetime(2026, 1, 1, 11, 59, tzinfo=UTC)
+    assert format_duration(3725) == "1h 2m 5s" and format_duration(None) == "—"
+
+
+def test_metrics_csv_is_long_format() -> None:
+    text = metrics_csv({"b": [{"step": 1, "value": 2.0, "time": 3.0}],
+                        "a": [{"step": 0, "value": 0.5, "time": 1.0}]})
+    rows = list(csv.reader(io.StringIO(text)))
+    assert rows == [["key", "step", "value", "time"], ["a", "0", "0.5", "1.0"],
+                    ["b", "1", "2.0", "3.0"]]
+
+
+def test_event_rows_hide_phase_spans_and_sort_newest_first() -> None:
+    events = [
+        {"time": "2026-01-01T00:00:01Z", "kind": "placement", "message": "colocate",
+         "data": {"devices": 2}},
+        {"time": "2026-01-01T00:00:02Z", "kind": "phase_spans", "message": "", "data": {}},
+        {"time": "2026-01-01T00:00:03Z", "kind": "state", "message": "running", "data": None},
+    ]
+    rows = event_rows(events)
+    assert [r["kind"] for r in rows] == ["state", "placement"]
+    assert rows[1]["data"] == '{"devices": 2}'
+    assert len(event_rows(events, include_spans=True)) == 3
+
+
+def test_merge_form_writes_only_changed_values() -> None:
+    base = {"train": {"max_steps": 40}, "rollout": {"n": 8}}
+    values = {"train.max_steps": 40, "rollout.n": 4, "seed": 0, "placement.mode": "auto"}
+    merged = merge_form(base, values)
+    assert merged == {"train": {"max_steps": 40}, "rollout": {"n": 4},
+                      "placement": {"mode": "auto"}}
+    assert base == {"train": {"max_steps": 40}, "rollout": {"n": 8}}  # not mutated
+    assert field_value(base, "train.max_steps") == 40
+    assert field_value(base, "train.lr") == 1e-5  # the TrainerConfig default
+    cfg: dict = {"seed": 1}
+    set_path(cfg, "a.b.c", 2)
+    assert cfg == {"seed": 1, "a": {"b": {"c": 2}}}
+
+
+def test_form_offers_schema_choices() -> None:
+    by_path = {f.path: f for f in FORM_FIELDS}
+    assert by_path["placement.mode"].options == ("colocate", "disaggregated",
+                                                 "partial_colocate", "auto")
+    assert by_path["rollout.engine"].options == ("vllm", "hf")
+
+
+def test_parse_yaml_explains_bad_input() -> None:
+    assert parse_yaml("train:\n  max_steps: 3\n") == ({"train": {"max_steps": 3}}, None)
+    assert parse_yaml("") == ({}, None)
+    config, err = parse_yaml("train: [1, 2\n")
+    assert config is None and err is not None and "line" in err
+    assert parse_yaml("- 1\n- 2\n")[1] is not None
+
+
+def test_errors_by_field_puts_errors_beside_their_fields() -> None:
+    beside, rest = errors_by_field([
+        ("train.max_steps", "Input should be greater than or equal to 1"),
+        ("reward", "reward.kind=remote needs reward.url"),
+        ("", "train.batch_size=3 must divide evenly across 2 data-parallel controllers"),
+    ])
+    assert beside == {"train.max_steps": ["Input should be greater than or equal to 1"]}
+    assert [p for p, _ in rest] == ["reward", ""]
