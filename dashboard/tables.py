@@ -6,6 +6,7 @@ import csv
 import io
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +21,9 @@ __all__ = [
     "parse_time",
     "format_duration",
     "event_rows",
+    "ClusterView",
+    "cluster_tables",
+    "summary_value",
 ]
 
 ACTIVE_STATES = frozenset({"queued", "starting", "running", "cancelling"})
@@ -187,3 +191,49 @@ def event_rows(events: Iterable[Mapping[str, Any]], *, include_spans: bool = Fal
         )
     rows.sort(key=lambda r: r["time"] or datetime.min.replace(tzinfo=UTC), reverse=True)
     return rows
+
+
+@dataclass
+class ClusterView:
+    """GET /cluster, shaped for the page: headline numbers, tables by title, a note."""
+
+    capacity: dict[str, str] = field(default_factory=dict)
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    note: str = ""
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, Mapping | list):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+def cluster_tables(info: Mapping[str, Any]) -> ClusterView:
+    """Lists become tables (nested records flattened to dotted columns); numbers and small
+    records become headline figures; text becomes the note."""
+    view = ClusterView()
+    for key, value in info.items():
+        title = key.replace("_", " ").capitalize()
+        if isinstance(value, list):
+            view.tables[title] = [
+                {k: _cell(v) for k, v in flatten(item).items()} if isinstance(item, Mapping)
+                else {"value": item}
+                for item in value
+            ]
+        elif isinstance(value, Mapping):
+            for sub, leaf in flatten(value).items():
+                if isinstance(leaf, int | float | str) and not isinstance(leaf, bool):
+                    view.capacity[f"{title} {sub.replace('_', ' ')}"] = _figure(leaf)
+        elif isinstance(value, bool):
+            view.capacity[title] = "yes" if value else "no"
+        elif isinstance(value, int | float):
+            view.capacity[title] = _figure(value)
+        elif isinstance(value, str):
+            view.note = (view.note + " · " if view.note else "") + f"{title}: {value}"
+    return view
+
+
+def _figure(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)

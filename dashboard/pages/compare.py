@@ -1,0 +1,81 @@
+"""Compare page: pick runs, overlay any metric, and see which config keys differ."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import api, session
+from dashboard.charts import overlay_figure
+from dashboard.tables import config_diff, run_rows
+
+MAX_POINTS = 800
+
+c = session.client()
+st.title("Compare runs")
+
+try:
+    recent, _ = api.list_runs(c, limit=100)
+except api.ApiError as exc:
+    session.show_api_error(exc, "list runs")
+    st.stop()
+if not recent:
+    st.info("No runs yet.")
+    st.stop()
+
+labels = {r["id"]: f"#{r['id']} {r.get('name', '')} · {r.get('state', '')}" for r in recent}
+preset = [int(x) for x in str(st.query_params.get("runs", "")).split(",") if x.isdigit()]
+for run_id in preset:  # runs named in the URL but older than the list
+    if run_id not in labels:
+        labels[run_id] = f"#{run_id}"
+chosen: list[int] = st.multiselect("Runs", list(labels), default=preset or list(labels)[:2],
+                                   format_func=labels.__getitem__, key="cmp_runs")
+if len(chosen) < 1:
+    st.info("Pick at least one run.")
+    st.stop()
+st.query_params["runs"] = ",".join(map(str, chosen))
+
+try:
+    runs = {rid: api.get_run(c, rid) for rid in chosen}
+    keys_by_run = {rid: [k["key"] for k in api.metric_keys(c, rid)] for rid in chosen}
+except api.ApiError as exc:
+    session.show_api_error(exc, "load the runs")
+    st.stop()
+
+short = {rid: f"#{rid} {runs[rid].get('name', '')}".strip() for rid in chosen}
+st.dataframe(pd.DataFrame(run_rows(runs.values())), hide_index=True, width="stretch",
+             column_order=["id", "name", "state", "experiment", "attempt", "launched by",
+                           "created", "duration", "tags"],
+             column_config={"id": st.column_config.NumberColumn("run", format="#%d")})
+
+all_keys = sorted(set().union(*keys_by_run.values()))
+st.subheader("Metrics")
+if not all_keys:
+    st.caption("These runs have no metrics yet.")
+else:
+    default = [k for k in ("reward/mean", "throughput/generated_tokens_per_s") if k in all_keys]
+    metrics = st.multiselect("Metrics to overlay", all_keys, default=default or all_keys[:1],
+                             key="cmp_metrics")
+    x = st.segmented_control("x axis", ["step", "time"], default="step", key="cmp_x") or "step"
+    if metrics:
+        series = {rid: api.metrics(c, rid, [m for m in metrics if m in keys_by_run[rid]],
+                                   max_points=MAX_POINTS) for rid in chosen}
+        cols = st.columns(2 if len(metrics) > 1 else 1)
+        for i, metric in enumerate(metrics):
+            by_run = {short[rid]: series[rid].get(metric, []) for rid in chosen}
+            if x == "time":  # wall time as seconds since each run's first point
+                by_run = {label: [{**p, "time": p["time"] - pts[0]["time"]} for p in pts]
+                          for label, pts in by_run.items() if pts}
+            with cols[i % len(cols)]:
+                st.plotly_chart(overlay_figure(metric, by_run, x=x), key=f"cmp-{metric}",
+                                config={"displaylogo": False})
+
+st.subheader("Config keys that differ")
+if len(chosen) < 2:
+    st.caption("Pick two or more runs to see their differences.")
+else:
+    diff = config_diff({short[rid]: runs[rid].get("config") or {} for rid in chosen})
+    if diff:
+        st.dataframe(pd.DataFrame(diff).set_index("key"), width="stretch")
+    else:
+        st.success("These runs have identical configs.")

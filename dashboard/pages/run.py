@@ -1,0 +1,247 @@
+"""Run page: state, live charts, the phase timeline, events, logs, config and checkpoints.
+
+While the run is active the live part reruns every couple of seconds (`st.fragment(run_every)`);
+when the run ends, the page reruns once without the timer and stays still.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+import yaml
+
+from dashboard import api, session
+from dashboard.charts import gantt_figure, line_figure, metric_panels, phase_share, phase_spans
+from dashboard.tables import (
+    ACTIVE_STATES,
+    TERMINAL_STATES,
+    event_rows,
+    format_duration,
+    launched_by,
+    metrics_csv,
+    parse_time,
+)
+
+REFRESH_S = 2.0
+MAX_POINTS = 800  # per series: plenty for a chart ~1,000 px wide, cheap for any run length
+STATE_COLORS = {"queued": "gray", "starting": "blue", "running": "blue", "cancelling": "orange",
+                "succeeded": "green", "failed": "red", "cancelled": "orange"}
+
+c = session.client()
+
+
+def _pick_run() -> int | None:
+    raw = st.query_params.get("run")
+    if raw and raw.isdigit():
+        return int(raw)
+    st.title("Run")
+    try:
+        runs, _ = api.list_runs(c, limit=50)
+    except api.ApiError as exc:
+        session.show_api_error(exc, "list runs")
+        return None
+    if not runs:
+        st.info("No runs yet: start one on the Launch page.")
+        return None
+    labels = {r["id"]: f"#{r['id']} {r.get('name', '')} · {r.get('state', '')}" for r in runs}
+    chosen = st.selectbox("Open a run", list(labels), format_func=labels.__getitem__, index=None,
+                          placeholder="choose a run")
+    if chosen is not None:
+        st.query_params["run"] = str(chosen)
+        st.rerun()
+    return None
+
+
+def _header(run: dict[str, Any]) -> None:
+    state = run["state"]
+    st.title(f"#{run['id']} {run.get('name') or ''}")
+    who, pipeline = launched_by(run)
+    exp = run.get("experiment")
+    exp_name = exp.get("name") if isinstance(exp, dict) else exp
+    parts = [
+        f":{STATE_COLORS.get(state, 'gray')}-badge[{state}]",
+        f"experiment **{exp_name}**",
+        f"attempt {run.get('attempt', 1)}/{run.get('max_attempts', 1)}",
+        f"launched by {who}" + (f" ([pipeline]({pipeline}))" if pipeline else ""),
+    ]
+    if run.get("tags"):
+        parts.append(" ".join(f":gray-badge[{t}]" for t in run["tags"]))
+    st.markdown(" · ".join(parts))
+    started, finished = parse_time(run.get("started_at")), parse_time(run.get("finished_at"))
+    created = parse_time(run.get("created_at"))
+    timing = [f"created {created:%Y-%m-%d %H:%M:%S} UTC" if created else ""]
+    if started:
+        end = finished or pd.Timestamp.now(tz="UTC").to_pydatetime()
+        timing.append(f"ran {format_duration((end - started).total_seconds())}")
+    if run.get("code_version"):
+        timing.append(f"code {run['code_version']}")
+    st.caption(" · ".join(t for t in timing if t))
+    if run.get("error"):
+        st.error(run["error"], icon=":material/error:")
+    if run.get("description"):
+        st.write(run["description"])
+
+
+def _buttons(run: dict[str, Any]) -> None:
+    state = run["state"]
+    cols = st.columns([1, 1, 6])
+    if state in {"queued", "starting", "running"} and cols[0].button(
+        "Cancel run", icon=":material/cancel:", key="cancel"
+    ):
+        try:
+            api.cancel_run(c, run["id"])
+            st.toast(f"Cancelling run #{run['id']}")
+            st.rerun(scope="app")
+        except api.ApiError as exc:
+            session.show_api_error(exc, "cancel the run")
+    if state == "failed" and cols[1].button("Retry run", icon=":material/replay:", key="retry"):
+        try:
+            api.retry_run(c, run["id"])
+            st.toast(f"Run #{run['id']} queued again")
+            st.rerun(scope="app")
+        except api.ApiError as exc:
+            session.show_api_error(exc, "retry the run")
+
+
+def _summary_row(keys: list[dict[str, Any]]) -> None:
+    latest = {k["key"]: k.get("latest") for k in keys}
+    wanted = [
+        ("step", "step"),
+        ("throughput/generated_tokens_per_s", "tokens/s"),
+        ("throughput/samples_per_s", "samples/s"),
+        ("reward/mean", "reward"),
+        ("kl/mean", "KL"),
+    ]
+    shown = [(key, label) for key, label in wanted if latest.get(key) is not None]
+    if not shown:
+        return
+    for col, (key, label) in zip(st.columns(len(shown)), shown, strict=True):
+        col.metric(label, f"{latest[key]:.4g}")
+
+
+def _charts(run_id: int, x: str) -> None:
+    keys = api.metric_keys(c, run_id)
+    if not keys:
+        st.info("No metrics yet: charts appear with the trainer's first report.")
+        return
+    _summary_row(keys)
+    panels = metric_panels(k["key"] for k in keys)
+    series = api.metrics(c, run_id, [k for p in panels for k in p.keys], max_points=MAX_POINTS)
+    cols = st.columns(2)
+    for i, panel in enumerate(panels):
+        with cols[i % 2]:
+            st.plotly_chart(line_figure(panel, series, x=x), key=f"chart-{panel.title}",
+                            config={"displaylogo": False})
+
+
+def _timeline(run_id: int) -> None:
+    spans = phase_spans(api.events(c, run_id, kind="phase_spans"))
+    if not spans:
+        st.caption("No phase timeline yet (the trainer reports `phase_spans` after each step).")
+        return
+    steps = sorted({s["step"] for s in spans})
+    last = st.session_state.get("gantt_steps", 3)
+    st.plotly_chart(gantt_figure(spans, last_steps=last), key="gantt",
+                    config={"displaylogo": False})
+    shown = [s for s in spans if s["step"] in set(steps[-last:])]
+    share = pd.DataFrame(phase_share(shown))
+    if not share.empty:
+        st.dataframe(share.set_index("device"), width="stretch",
+                     column_config={c_: st.column_config.NumberColumn(format="%.2f")
+                                    for c_ in share.columns if c_ != "device"})
+
+
+def _activity(run: dict[str, Any]) -> None:
+    run_id = run["id"]
+    tab_events, tab_logs, tab_ckpt, tab_attempts = st.tabs(
+        ["Events", "Logs", "Checkpoints", "Attempts"]
+    )
+    with tab_events:
+        rows = event_rows(api.events(c, run_id))
+        if rows:
+            st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+        else:
+            st.caption("No events yet.")
+    with tab_logs:
+        try:
+            text = api.logs(c, run_id)
+        except api.ApiError as exc:
+            text = ""
+            st.caption(f"Logs unavailable: {exc.message}")
+        lines = text.splitlines()[-200:]
+        st.code("\n".join(lines) or "(no log output yet)", language=None)
+    with tab_ckpt:
+        ckpts = api.checkpoints(c, run_id)
+        if ckpts:
+            df = pd.DataFrame(ckpts)
+            st.dataframe(df[[col for col in ("step", "attempt", "path", "size_bytes", "metrics",
+                                             "created_at") if col in df.columns]],
+                         hide_index=True, width="stretch")
+        else:
+            st.caption("No checkpoints yet.")
+    with tab_attempts:
+        attempts = run.get("attempts") if isinstance(run.get("attempts"), list) else None
+        if attempts:
+            st.dataframe(pd.DataFrame(attempts), hide_index=True, width="stretch")
+        else:
+            st.caption(f"Attempt {run.get('attempt', 1)} of {run.get('max_attempts', 1)}.")
+
+
+run_id = _pick_run()
+if run_id is None:
+    st.stop()
+
+try:
+    first = api.get_run(c, run_id)
+except api.ApiError as exc:
+    session.show_api_error(exc, f"load run #{run_id}")
+    st.stop()
+
+active = first["state"] in ACTIVE_STATES
+
+
+@st.fragment(run_every=REFRESH_S if active else None)
+def live() -> None:
+    try:
+        run = api.get_run(c, run_id)
+    except api.ApiError as exc:
+        session.show_api_error(exc, f"refresh run #{run_id}")
+        return
+    if active and run["state"] in TERMINAL_STATES:
+        st.rerun(scope="app")  # the run ended: redraw once, without the timer
+    _header(run)
+    _buttons(run)
+    x = st.segmented_control("x axis", ["step", "time"], default="step", key="x_axis",
+                             label_visibility="collapsed") or "step"
+    try:
+        _charts(run_id, x)
+        st.subheader("Phase timeline")
+        st.slider("Steps shown", 1, 20, 3, key="gantt_steps",
+                  help="The newest steps; gaps between bars are idle time.")
+        _timeline(run_id)
+        _activity(run)
+    except api.ApiError as exc:
+        session.show_api_error(exc, "load the run's data")
+    if active:
+        st.caption(f"Live: refreshing every {REFRESH_S:g} s while the run is {run['state']}.")
+
+
+live()
+
+st.subheader("Config")
+cfg_col, dl_col = st.columns([4, 1])
+with cfg_col:
+    st.code(yaml.safe_dump(first.get("config") or {}, sort_keys=False), language="yaml")
+with dl_col:
+    st.download_button(
+        "Metrics as CSV",
+        data=lambda: metrics_csv(api.all_metrics(c, run_id)),
+        file_name=f"run-{run_id}-metrics.csv",
+        mime="text/csv",
+        icon=":material/download:",
+    )
+    if first.get("package_versions"):
+        with st.expander("Package versions"):
+            st.json(first["package_versions"])
