@@ -1,0 +1,24 @@
+"""Every table, imported in one place so Alembic and `create_all` see the whole schema."""
+
+from backend.auth.models import ApiToken, Project, Role
+from backend.db import Base
+from backend.metrics.models import MetricPoint, MetricSummary
+from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
+
+metadata = Base.metadata
+
+__all__ = [
+    "ApiToken",
+    "Base",
+    "Checkpoint",
+    "Experiment",
+    "MetricPoint",
+    "MetricSummary",
+    "Project",
+    "Role",
+    "Run",
+    "RunAttempt",
+    "RunEvent",
+    "RunTag",
+    "metadata",
+]

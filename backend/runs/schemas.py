@@ -1,0 +1,251 @@
+"""Request and response bodies for experiments, runs, events and checkpoints."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from backend.runs.state import RunState
+
+EXAMPLE_CONFIG = {"algorithm": {"name": "grpo"}, "train": {"max_steps": 40}, "seed": 1}
+
+
+class CIInfo(BaseModel):
+    """Who launched a run from CI; extra keys are kept as sent."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {
+                    "provider": "gitlab",
+                    "commit": "3f2a9c1",
+                    "branch": "main",
+                    "pipeline_url": "https://ci.example.com/team/rlhf/-/pipelines/812",
+                }
+            ]
+        },
+    )
+
+    provider: str | None = Field(None, max_length=50)
+    commit: str | None = Field(None, max_length=100)
+    branch: str | None = Field(None, max_length=200)
+    pipeline_url: str | None = Field(None, max_length=1000)
+    job: str | None = Field(None, max_length=200)
+
+
+class RunCreate(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "experiment": "grpo-arith",
+                    "name": "lr-5e-5",
+                    "config": EXAMPLE_CONFIG,
+                    "tags": ["baseline"],
+                    "ci": {"commit": "3f2a9c1", "branch": "main", "pipeline_url": "https://ci/p/812"},
+                }
+            ]
+        },
+    )
+
+    experiment: str = Field(..., min_length=1, max_length=200, description="Created if needed.")
+    name: str | None = Field(None, max_length=200, description="Default: `<experiment>-<id>`.")
+    description: str = Field("", max_length=10_000)
+    config: dict[str, Any] = Field(default_factory=dict, description="A TrainerConfig.")
+    tags: list[str] = Field(default_factory=list, max_length=50)
+    ci: CIInfo | None = Field(None, description="Set by CI jobs: marks the run as launched by CI.")
+    priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first.")
+    max_attempts: int = Field(1, ge=1, le=20, description="Attempts the dispatcher may make.")
+    max_duration_s: float | None = Field(None, gt=0, description="Wall-clock limit per attempt.")
+
+
+class ConfigValidate(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"config": EXAMPLE_CONFIG}]})
+
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class ConfigValid(BaseModel):
+    valid: Literal[True] = True
+    config: dict[str, Any]
+
+
+class MetricSummaryOut(BaseModel):
+    latest: float | None
+    min: float | None
+    max: float | None
+    step: int
+
+
+class RunOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    project_id: int
+    experiment_id: int
+    experiment: str
+    name: str
+    description: str
+    state: RunState
+    attempt: int
+    max_attempts: int
+    priority: int
+    max_duration_s: float | None
+    tags: list[str]
+    launched_by: Literal["user", "ci"]
+    launched_by_name: str
+    ci: dict[str, Any] | None
+    config: dict[str, Any]
+    seed: int
+    code_version: str | None
+    package_versions: dict[str, Any] | None
+    run_dir: str | None
+    summary: dict[str, Any] | None
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    metrics: dict[str, MetricSummaryOut] = Field(
+        default_factory=dict, description="Summaries of the sort key and the requested `metrics`."
+    )
+
+    @classmethod
+    def of(cls, run: Any, metrics: dict[str, dict[str, Any]] | None = None) -> RunOut:
+        data = {name: getattr(run, name) for name in cls.model_fields if name not in ("experiment", "metrics")}
+        return cls(**data, experiment=run.experiment.name, metrics=metrics or {})
+
+
+class RunPage(BaseModel):
+    items: list[RunOut]
+    next_cursor: str | None = Field(None, description="Pass as `cursor` for the next page.")
+
+
+class StateUpdate(BaseModel):
+    """A state report from the trainer (run token) or the dispatcher."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"state": "running"},
+                {"state": "succeeded", "summary": {"reward/mean": 0.82}},
+                {"state": "failed", "reason": "CUDA out of memory at step 31"},
+            ]
+        },
+    )
+
+    state: RunState
+    reason: str | None = Field(None, max_length=20_000)
+    summary: dict[str, Any] | None = None
+    code_version: str | None = Field(None, max_length=200)
+    package_versions: dict[str, Any] | None = None
+    run_dir: str | None = Field(None, max_length=1000)
+
+
+class RunAction(BaseModel):
+    reason: str | None = Field(None, max_length=2000)
+
+
+class AttemptOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    number: int
+    state: RunState
+    submission_id: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None
+
+
+class ExperimentCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., min_length=1, max_length=200)
+    description: str = Field("", max_length=10_000)
+    tags: list[str] = Field(default_factory=list, max_length=50)
+
+
+class ExperimentOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    name: str
+    description: str
+    tags: list[str]
+    created_at: datetime
+    run_count: int = 0
+
+
+class EventIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = Field(..., min_length=1, max_length=50, examples=["placement", "phase_spans"])
+    message: str = Field("", max_length=20_000)
+    data: dict[str, Any] | None = None
+    time: datetime | None = Field(None, description="Unix seconds or ISO-8601; default: now.")
+
+
+class EventBatch(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "events": [
+                        {"kind": "placement", "message": "colocate on 2 devices", "data": {"mode": "colocate", "devices": 2}}
+                    ]
+                }
+            ]
+        },
+    )
+
+    events: list[EventIn] = Field(..., max_length=10_000)
+
+
+class EventOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    attempt: int
+    time: datetime
+    kind: str
+    message: str
+    data: dict[str, Any] | None
+
+
+class CheckpointIn(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"step": 20, "path": "runs/7/checkpoints/step-20", "size_bytes": 73400320, "metrics": {"reward/mean": 0.61}}
+            ]
+        },
+    )
+
+    step: int = Field(..., ge=0)
+    path: str = Field(..., min_length=1, max_length=1000)
+    size_bytes: int | None = Field(None, ge=0)
+    metrics: dict[str, Any] | None = None
+
+
+class CheckpointOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    attempt: int
+    step: int
+    path: str
+    size_bytes: int | None
+    metrics: dict[str, Any] | None
+    created_at: datetime
+
+
+class Accepted(BaseModel):
+    accepted: int
