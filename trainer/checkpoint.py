@@ -1,0 +1,145 @@
+"""Checkpoints: everything needed to continue a run exactly where it stopped.
+
+Layout under ``<run dir>/checkpoints/step_000010/``:
+
+- ``policy/``          the policy as an HF directory (weights + tokenizer): the sampler loads it
+- ``optimizer.pt``     optimizer, lr scheduler (and critic + its optimizer for PPO)
+- ``rank<r>.pt``       each controller's data position, RNG states and sampling state
+- ``trainer_state.json`` step, eval results so far, written last
+- ``COMPLETE``         marker: a directory without it is an interrupted save and is ignored
+
+Rank 0 writes the shared parts (every controller holds the same weights); each rank writes its
+own file; rank 0 marks the checkpoint complete after a barrier and prunes old ones.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "checkpoint_dir",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "rng_state",
+    "set_rng_state",
+    "save_shared",
+    "save_rank",
+    "mark_complete",
+    "prune",
+    "load_shared",
+    "load_rank",
+    "read_trainer_state",
+    "export_final",
+    "dir_size",
+]
+
+MARKER = "COMPLETE"
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    done = [p for p in root.glob("step_*") if (p / MARKER).exists()]
+    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint: the resume point of a run."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_shared(path: Path, *, policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any,
+                critic: Any = None, critic_opt: Any = None, reference: Any = None) -> None:
+    """Rank 0's part: the policy as an HF directory, and the optimizer state."""
+    if path.exists() and not (path / MARKER).exists():
+        shutil.rmtree(path)  # a save that an earlier attempt left half-written
+    path.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(path / "policy", safe_serialization=True)
+    tokenizer.save_pretrained(path / "policy")
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    if critic is not None:
+        state["critic"] = critic.state_dict()
+        state["critic_optimizer"] = critic_opt.state_dict()
+    if reference is not None:  # the frozen reference is the policy after warm start, not now
+        state["reference"] = reference.state_dict()
+    torch.save(state, path / "optimizer.pt")
+
+
+def save_rank(path: Path, rank: int, state: dict[str, Any]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / f"rank{rank}.pt.tmp"
+    torch.save(state, tmp)
+    tmp.replace(path / f"rank{rank}.pt")
+
+
+def mark_complete(path: Path, trainer_state: dict[str, Any]) -> None:
+    (path / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+    (path / MARKER).write_text("")
+
+
+def prune(run_dir: str | Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints."""
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_shared(path: Path, *, optimizer: Any, scheduler: Any, critic: Any = None,
+                critic_opt: Any = None, reference: Any = None) -> None:
+    state = torch.load(path / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if critic is not None and "critic" in state:
+        critic.load_state_dict(state["critic"])
+        critic_opt.load_state_dict(state["critic_optimizer"])
+    if reference is not None and "reference" in state:
+        reference.load_state_dict(state["reference"])
+
+
+def load_rank(path: Path, rank: int) -> dict[str, Any] | None:
+    f = path / f"rank{rank}.pt"
+    return torch.load(f, weights_only=False) if f.exists() else None
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def export_final(out: Path, *, policy: Any, tokenizer: Any) -> Path:
+    """Save the final policy as an HF model directory (transformers and vLLM load it)."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

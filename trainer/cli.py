@@ -1,0 +1,78 @@
+"""`yatt train` and `yatt make-tiny-model`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+__all__ = ["register"]
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    def train(
+        config: Annotated[Path, typer.Argument(help="Experiment config (YAML).", exists=True,
+                                               dir_okay=False)],
+        set_: Annotated[list[str] | None, typer.Option(
+            "--set", help="Override a field: --set train.max_steps=5 (repeatable).")] = None,
+        out: Annotated[Path | None, typer.Option(
+            "--out", help="Run directory (default runs/<config>-<time>).")] = None,
+    ) -> None:
+        """Train standalone on a local Ray (started when none is running)."""
+        from trainer.config import ConfigError, load_config
+        from trainer.entry import format_step, run_training
+
+        try:
+            cfg = load_config(config, set_ or [])
+        except ConfigError as exc:
+            for path, msg in exc.errors:
+                typer.echo(f"config error: {path or '<top>'}: {msg}", err=True)
+            raise typer.Exit(2) from None
+        run_dir = out or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        typer.echo(f"yatt train {config} → {run_dir}  ({cfg.algorithm.name}, {cfg.placement.mode} "
+                   f"on {cfg.placement.devices} devices, {cfg.controller.mode} controllers, "
+                   f"{cfg.rollout.engine} rollouts)")
+
+        def on_step(step: int, metrics: dict[str, float], driver: object) -> None:
+            typer.echo(format_step(step, cfg.train.max_steps, metrics))
+
+        try:
+            summary = run_training(cfg, run_dir, env={}, on_step=on_step,
+                                   on_message=lambda m: typer.echo(m))
+        except Exception as exc:
+            typer.echo(f"training failed: {exc}", err=True)
+            raise typer.Exit(1) from None
+        start, end = summary.get("eval/accuracy_start"), summary.get("eval/accuracy_end")
+        if start is not None and end is not None:
+            typer.echo(f"held-out accuracy: start {start:.1%} → end {end:.1%} "
+                       f"({(end - start) * 100:+.1f} points)")
+        typer.echo(f"done in {summary['wall_time_s']:.0f}s; "
+                   f"{summary.get('throughput/tokens_per_s_mean', 0):,.0f} generated tok/s; "
+                   f"outputs in {run_dir}")
+
+    @app.command("make-tiny-model")
+    def make_tiny_model_cmd(
+        out_dir: Annotated[Path, typer.Argument(help="Directory to create.")],
+        preset: Annotated[str, typer.Option("--preset", help="nano | micro | small")] = "micro",
+        config: Annotated[Path | None, typer.Option(
+            "--config", help="Train the tokenizer on this config's task (default: arithmetic).")] = None,
+        seed: Annotated[int, typer.Option("--seed")] = 0,
+    ) -> None:
+        """Build a small random-init causal LM with a tokenizer trained on the task's text."""
+        from trainer.config import TrainerConfig, load_config
+        from trainer.data import task_text
+        from trainer.models import PRESETS, make_tiny_model
+
+        if preset not in PRESETS:
+            typer.echo(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}", err=True)
+            raise typer.Exit(2)
+        cfg = load_config(config) if config else TrainerConfig()
+        try:
+            path = make_tiny_model(out_dir, preset, task_text(cfg), seed=seed)
+        except FileExistsError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(1) from None
+        typer.echo(f"built {preset} model at {path}")

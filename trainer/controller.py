@@ -1,0 +1,503 @@
+"""A controller: the whole RL loop for one data-parallel rank (the YATT programming model).
+
+Read its shard of prompts → ask the sampler for `n` responses each → score them → dynamic
+sampling → advantages and policy update, gradients all-reduced with the other controllers →
+push the new weights to its sampler → report scalars (and phase spans) to the driver. Samples
+and tensors never leave the controller except to its own sampler.
+
+The sampler is in-process when colocated (it sleeps while the policy trains) and/or a set of
+rollout-worker actors on other devices (disaggregated, or the single-controller baseline). In
+disaggregated mode the rollout of the next step is dispatched before this step trains
+(`placement.staleness` steps ahead at most), so generation and training overlap.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.config import TrainerConfig, parse_config
+from trainer.learner import Learner, RLBatch
+from trainer.sampling import DynamicSampler, Group
+from trainer.telemetry import DeviceMonitor, PhaseRecorder
+
+__all__ = ["PromptStream", "ControllerLoop", "RolloutWorker", "free_address"]
+
+
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port (the rendezvous of the gradient all-reduce)."""
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ip, s.getsockname()[1]
+
+
+class PromptStream:
+    """This rank's shard of the training prompts, reshuffled each epoch; its position is the
+    whole state needed to continue exactly where it stopped."""
+
+    def __init__(self, examples: list[Any], *, rank: int, world: int, seed: int, salt: str = ""):
+        self.shard = examples[rank::world] or examples
+        self.rank, self.seed, self.salt = rank, seed, salt
+        self.position = 0
+        self._epoch = -1
+        self._order: list[int] = []
+
+    def _order_for(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            self._order = list(range(len(self.shard)))
+            random.Random(f"{self.salt}:{self.seed}:{self.rank}:{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        return self._order
+
+    def take(self, k: int) -> list[Any]:
+        out = []
+        for _ in range(k):
+            epoch, i = divmod(self.position, len(self.shard))
+            out.append(self.shard[self._order_for(epoch)[i]])
+            self.position += 1
+        return out
+
+
+def _load_weights(engine: Any, weights: dict[str, torch.Tensor]) -> None:
+    engine.update_weights(list(weights.items()))
+
+
+def _sample_dict(s: Any) -> Any:
+    return s  # Sample is a plain dataclass: it travels through Ray as it is
+
+
+class RolloutWorker:
+    """A sampler on its own device (disaggregated pool, or a single controller's helpers)."""
+
+    def __init__(self, cfg_json: str, device: int, model_dir: str, device_type: str, cores: float):
+        from trainer.rollout import make_engine
+
+        self.cfg = parse_config(__import__("json").loads(cfg_json))
+        self.device = device
+        threads = max(1, int(cores))
+        torch.set_num_threads(threads)
+        self.monitor = DeviceMonitor(device, device_type=device_type, cores=cores)
+        self.engine = make_engine(self.cfg, model_dir, threads=threads)
+        self.version = -1
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def generate(self, prompts: list[str], n: int) -> dict[str, Any]:
+        start = time.time()
+        samples = self.engine.generate(prompts, n)
+        end = time.time()
+        return {"samples": samples, "version": self.version, "device_metrics": self.monitor.sample(),
+                "spans": [{"device": self.device, "phase": "rollout", "start": start, "end": end}]}
+
+    def update_weights(self, version: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        start = time.time()
+        _load_weights(self.engine, weights)
+        self.version = version
+        return {"device": self.device, "phase": "weight_sync", "start": start, "end": time.time()}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+@dataclass
+class _Pending:
+    prompts: list[Any]
+    local: list[Any]
+    refs: list[Any]
+    shares: list[list[Any]]
+    version: int
+
+
+class ControllerLoop:
+    """The loop of one controller. Lives inside a Ray actor (see trainer.driver); `drain()` is
+    called from another thread of that actor and hands the driver what happened since."""
+
+    def __init__(self, cfg_json: str, *, rank: int, world: int, device: int, device_type: str,
+                 cores: float, run_dir: str, rollout_workers: list[tuple[int, Any]],
+                 local_sampler: bool, model_dir: str):
+        self.cfg: TrainerConfig = parse_config(__import__("json").loads(cfg_json))
+        self.rank, self.world, self.device = rank, world, device
+        self.device_type, self.cores = device_type, cores
+        self.run_dir = Path(run_dir)
+        self.rollout_workers = rollout_workers
+        self.local_sampler = local_sampler
+        self.model_dir = model_dir
+        self._records: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self.recorder = PhaseRecorder(device)
+        self.monitor = DeviceMonitor(device, device_type=device_type, cores=cores)
+        self._device_metrics: dict[str, float] = {}
+        self._remote_spans: list[dict[str, Any]] = []
+        self._sync_refs: list[Any] = []
+
+    # ------------------------------------------------------------------ the driver's view
+    def _emit(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._records.append({"rank": self.rank, **record})
+
+    def drain(self) -> list[dict[str, Any]]:
+        with self._lock:
+            out, self._records = self._records, []
+        return out
+
+    def _event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        self._emit({"type": "event", "kind": kind, "message": message, "data": data or {}})
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self, master_addr: str, master_port: int) -> None:
+        cfg = self.cfg
+        threads = max(1, int(self.cores))
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed + self.rank)
+        random.seed(cfg.seed + self.rank)
+        self.group = None
+        if self.world > 1:
+            backend = "nccl" if self.device_type == "gpu" else "gloo"
+            torch.distributed.init_process_group(
+                backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                world_size=self.world, timeout=timedelta(minutes=10))
+            self.group = torch.distributed.group.WORLD
+        from trainer.data import load_task
+        from trainer.rewards import build_reward
+
+        self.train_examples, eval_examples = load_task(cfg)
+        evals = eval_examples[: cfg.eval.size]
+        # every rank must agree on whether to evaluate: the result is all-reduced
+        self.can_eval = bool(evals) and all(e.answer is not None for e in evals)
+        self.eval_examples = evals[self.rank :: self.world]
+        self.reward_fn = build_reward(cfg)
+        self.stream = PromptStream(self.train_examples, rank=self.rank, world=self.world,
+                                   seed=cfg.seed, salt="rl")
+        self.sampler = DynamicSampler.from_config(cfg.sampling)
+        self.state: dict[str, Any] = {"step": 0, "eval": {}, "warm_start_done": False}
+
+        resume = ckpt.latest_checkpoint(self.run_dir)
+        model_dir = str(resume / "policy") if resume else self.model_dir
+        device = "cuda" if self.device_type == "gpu" else "cpu"
+        self.learner = Learner(cfg, model_dir, device=device, dist_group=self.group)
+        if resume is not None:
+            lr = self.learner
+            ckpt.load_shared(resume, optimizer=lr.optimizer, scheduler=lr.scheduler,
+                             critic=lr.critic, critic_opt=lr.critic_opt, reference=lr.reference)
+            self.state = ckpt.read_trainer_state(resume)
+            mine = ckpt.load_rank(resume, self.rank)
+            if mine is not None:
+                self.stream.position = mine["position"]
+                self.sampler.load_state_dict(mine["sampling"])
+                ckpt.set_rng_state(mine["rng"])
+            self._event("restart" if self.rank == 0 else "resume",
+                        f"resumed from checkpoint at step {self.state['step']}",
+                        {"resume_step": self.state["step"], "path": str(resume), "rank": self.rank})
+        self.engine = None
+        if self.local_sampler:
+            from trainer.rollout import make_engine
+
+            self.engine = make_engine(cfg, model_dir, threads=threads)
+
+    # ------------------------------------------------------------------ sampling
+    def _submit(self, examples: list[Any], n: int) -> _Pending:
+        """Split prompts over the local engine and the remote workers; remote ones start now."""
+        k = len(examples)
+        slots = (1 if self.engine is not None else 0) + len(self.rollout_workers)
+        per = [k // slots + (1 if i < k % slots else 0) for i in range(slots)]
+        shares, start = [], 0
+        for size in per:
+            shares.append(examples[start : start + size])
+            start += size
+        local: list[Any] = shares.pop(0) if self.engine is not None else []
+        refs = []
+        for (_dev, worker), share in zip(self.rollout_workers, shares, strict=True):
+            refs.append(worker.generate.remote([e.prompt for e in share], n) if share else None)
+        return _Pending(examples, local, refs, shares, self.state["step"])
+
+    def _collect(self, pending: _Pending, n: int) -> list[Group]:
+        import ray
+
+        groups: list[Group] = []
+        samples_by_share: list[tuple[list[Any], list[Any]]] = []
+        if pending.local:
+            assert self.engine is not None
+            with self.recorder.span("rollout"):
+                if hasattr(self.engine, "wake"):
+                    self.engine.wake()
+                samples_by_share.append((pending.local,
+                                         self.engine.generate([e.prompt for e in pending.local], n)))
+        for ref, share in zip(pending.refs, pending.shares, strict=True):
+            if ref is None:
+                continue
+            t = time.time()
+            out = ray.get(ref)
+            self.recorder.add("rollout_wait", t, time.time())
+            self._remote_spans.extend(out["spans"])
+            self._device_metrics.update(out["device_metrics"])
+            self._staleness = max(getattr(self, "_staleness", 0), self.state["step"] - pending.version)
+            samples_by_share.append((share, out["samples"]))
+        for share, samples in samples_by_share:
+            if len(samples) != len(share) * n:
+                raise RuntimeError(f"sampler returned {len(samples)} samples for "
+                                   f"{len(share)} prompts × n={n}")
+            with self.recorder.span("reward"):
+                try:
+                    rewards = self.reward_fn([s.prompt for s in samples],
+                                             [s.response_text for s in samples],
+                                             [e.answer for e in share for _ in range(n)])
+                except Exception as exc:  # a failed scorer marks the step, it does not kill it
+                    self._event("warning", f"reward failed on {len(share)} prompts: {exc}",
+                                {"step": self.state["step"] + 1})
+                    self._reward_failures += 1
+                    continue
+            for i, e in enumerate(share):
+                groups.append(Group(e, samples[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n]))
+        return groups
+
+    def _draw(self, k: int) -> list[Group]:
+        n = self.cfg.rollout.n
+        return self._collect(self._submit(self.stream.take(k), n), n)
+
+    def _push_weights(self, version: int) -> None:
+        import ray
+
+        if self.engine is None and not self.rollout_workers:
+            return
+        with self.recorder.span("weight_sync"):
+            weights = self.learner.named_weights()
+            if self.engine is not None:
+                if hasattr(self.engine, "wake"):
+                    self.engine.wake()
+                _load_weights(self.engine, weights)
+            if self.rollout_workers:
+                ref = ray.put(weights)  # one copy in the object store, read by every worker
+                self._sync_refs.extend(w.update_weights.remote(version, ref)
+                                       for _d, w in self.rollout_workers)
+
+    def _gather_sync_spans(self) -> None:
+        """Weight-sync spans of the workers that have finished loading (never blocks)."""
+        import ray
+
+        if not self._sync_refs:
+            return
+        done, self._sync_refs = ray.wait(self._sync_refs, num_returns=len(self._sync_refs), timeout=0)
+        self._remote_spans.extend(ray.get(done))
+
+    # ------------------------------------------------------------------ phases
+    def _warm_start(self) -> None:
+        ws = self.cfg.algorithm.warm_start
+        if ws.steps == 0 or self.cfg.algorithm.name == "sft" or self.state["warm_start_done"]:
+            return
+        from trainer.data import sft_target
+
+        stream = PromptStream(self.train_examples, rank=self.rank, world=self.world,
+                              seed=self.cfg.seed, salt="sft")
+        opt = torch.optim.AdamW(self.learner.policy.parameters(), lr=ws.lr)
+        per_rank = max(1, ws.batch_size // self.world)
+        t0 = time.time()
+        m: dict[str, float] = {}
+        with self.recorder.span("warm_start"):
+            for i in range(ws.steps):
+                batch = stream.take(per_rank)
+                m = self.learner.sft_step([e.prompt for e in batch], [sft_target(e) for e in batch], opt)
+                if (i + 1) % 100 == 0 or i + 1 == ws.steps:
+                    self._emit({"type": "progress", "message":
+                                f"warm start {i + 1}/{ws.steps}: loss {m['loss/sft']:.3f}"})
+        if self.learner.reference is not None:  # KL is measured from the warmed-up policy
+            self.learner.reference.load_state_dict(self.learner.policy.state_dict())
+        self.state["warm_start_done"] = True
+        self.recorder.take()
+        self._emit({"type": "metrics", "step": 0,
+                    "metrics": {"warm_start/loss": m.get("loss/sft", float("nan")),
+                                "warm_start/time_s": time.time() - t0,
+                                "warm_start/steps": float(ws.steps)}})
+
+    def _evaluate(self, when: str) -> float | None:
+        from trainer.rewards import exact_match
+
+        if not self.can_eval:
+            return None
+        t = time.time()
+        with self.recorder.span("eval"):
+            texts = self.learner.greedy([e.prompt for e in self.eval_examples],
+                                        self.cfg.rollout.max_new_tokens)
+            scores = exact_match([e.prompt for e in self.eval_examples], texts,
+                                 [e.answer for e in self.eval_examples])
+        correct, total = self.learner.all_reduce_sum([sum(scores), float(len(scores))])
+        acc = correct / max(total, 1.0)
+        self.state["eval"][f"accuracy_{when}"] = acc
+        self._event("eval", f"held-out accuracy at {when}: {acc:.3f}",
+                    {"when": when, "accuracy": acc, "n": total, "step": self.state["step"],
+                     "time_s": time.time() - t})
+        return acc
+
+    def _checkpoint(self, step: int, metrics: dict[str, float]) -> None:
+        path = ckpt.checkpoint_dir(self.run_dir, step)
+        with self.recorder.span("checkpoint"):
+            lr = self.learner
+            if self.rank == 0:
+                ckpt.save_shared(path, policy=lr.policy, tokenizer=lr.tokenizer,
+                                 optimizer=lr.optimizer, scheduler=lr.scheduler, critic=lr.critic,
+                                 critic_opt=lr.critic_opt, reference=lr.reference)
+            if self.group is not None:
+                torch.distributed.barrier(group=self.group)  # rank 0 created the directory
+            ckpt.save_rank(path, self.rank, {"position": self.stream.position,
+                                             "sampling": self.sampler.state_dict(),
+                                             "rng": ckpt.rng_state()})
+            if self.group is not None:
+                torch.distributed.barrier(group=self.group)
+            if self.rank == 0:
+                ckpt.mark_complete(path, {**self.state, "step": step})
+                ckpt.prune(self.run_dir, self.cfg.checkpoint.keep)
+                self._emit({"type": "checkpoint", "step": step, "path": str(path),
+                            "size_bytes": ckpt.dir_size(path), "metrics": metrics})
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        try:
+            return self._run(master_addr, master_port)
+        except Exception as exc:
+            self._event("warning", f"controller {self.rank} failed: {exc}",
+                        {"traceback": traceback.format_exc()[-4000:]})
+            raise
+
+    def _run(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        cfg = self.cfg
+        self._setup(master_addr, master_port)
+        self._warm_start()
+        self._push_weights(self.state["step"])
+        if "accuracy_start" not in self.state["eval"]:
+            self._evaluate("start")
+        self.recorder.take()
+        algo = cfg.algorithm.name
+        need = cfg.train.batch_size // self.world
+        n = cfg.rollout.n
+        prefetch: deque[_Pending] = deque()
+        overlap = bool(self.rollout_workers) and self.engine is None and cfg.placement.staleness > 0
+        self._staleness = 0
+        for step in range(self.state["step"] + 1, cfg.train.max_steps + 1):
+            self.recorder.step = step
+            self._reward_failures = 0
+            t0 = time.time()
+            metrics: dict[str, float] = {}
+            if algo == "sft":
+                from trainer.data import sft_target
+
+                batch = self.stream.take(need)
+                with self.recorder.span("train"):
+                    m = self.learner.sft_step([e.prompt for e in batch],
+                                              [sft_target(e) for e in batch], self.learner.optimizer)
+                    m["lr"] = self.learner.scheduler.get_last_lr()[0]
+                    self.learner.scheduler.step()
+                metrics.update(m)
+                gen_tokens = 0
+                samples_n = len(batch)
+            else:
+                first = None
+                if prefetch:
+                    first = self._collect(prefetch.popleft(), n)
+                groups, smetrics = self.sampler.fill(need, self._draw, first=first)
+                metrics.update(smetrics)
+                if overlap:  # start the next rollouts now: they run while this step trains
+                    while len(prefetch) < cfg.placement.staleness and step + len(prefetch) < cfg.train.max_steps:
+                        prefetch.append(self._submit(self.stream.take(self.sampler.request_size(need)), n))
+                samples = [s for g in groups for s in g.samples]
+                rewards = [r for g in groups for r in g.rewards]
+                batch = RLBatch(prompt_ids=[list(s.prompt_ids) for s in samples],
+                                response_ids=[list(s.response_ids) or [self.learner.eos_id] for s in samples],
+                                scores=rewards, n=n,
+                                truncated=[s.finish_reason == "length" for s in samples])
+                if self.engine is not None and hasattr(self.engine, "sleep"):
+                    self.engine.sleep()  # colocated: free the KV cache while the policy trains
+                with self.recorder.span("train"):
+                    metrics.update(self.learner.rl_step(batch, recorder=self.recorder))
+                self._push_weights(step)
+                lengths = [len(s.response_ids) for s in samples]
+                gen_tokens = sum(lengths)
+                samples_n = len(samples)
+                if samples:
+                    mean = sum(rewards) / len(rewards)
+                    metrics.update({
+                        "reward/mean": mean,
+                        "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+                        "reward/max": max(rewards), "reward/min": min(rewards),
+                        "response/length_mean": gen_tokens / len(lengths),
+                        "response/length_max": float(max(lengths)),
+                        "response/length_min": float(min(lengths)),
+                        "response/truncated_frac": sum(batch.truncated) / len(samples),
+                    })
+                metrics["reward/failed_batches"] = float(self._reward_failures)
+                metrics["sampling/staleness"] = float(self._staleness)
+            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps:
+                acc = self._evaluate(f"step_{step}")
+                if acc is not None:
+                    metrics["eval/accuracy"] = acc
+            step_end = time.time()
+            metrics.update(self._step_metrics(step, t0, step_end, gen_tokens, samples_n,
+                                              metrics.pop("trained_tokens", 0.0)))
+            self.state["step"] = step
+            spans = self.recorder.take()
+            self._emit({"type": "metrics", "step": step, "metrics": metrics,
+                        "spans": [s.to_dict() for s in spans]})
+            last = step == cfg.train.max_steps
+            if step % cfg.checkpoint.every_steps == 0 or last:
+                self._checkpoint(step, {k: v for k, v in metrics.items() if k.startswith("reward/")})
+        self._evaluate("end")
+        if self.rank == 0 and cfg.checkpoint.export_final:
+            ckpt.export_final(self.run_dir / "final", policy=self.learner.policy,
+                              tokenizer=self.learner.tokenizer)
+        if self.engine is not None:
+            self.engine.close()
+        if self.group is not None:
+            torch.distributed.destroy_process_group()
+        return {"rank": self.rank, "step": self.state["step"], "eval": self.state["eval"]}
+
+    def _step_metrics(self, step: int, t0: float, t1: float, gen_tokens: int, samples_n: int,
+                      trained_tokens: float) -> dict[str, float]:
+        self._gather_sync_spans()
+        remote = self._remote_spans
+        self._remote_spans = []
+        self.recorder.extend(remote)
+        spans = self.recorder._spans
+        mine = PhaseRecorder.durations(spans, device=self.device)
+        wall = max(t1 - t0, 1e-9)
+        out: dict[str, float] = {"time/step": wall}
+        for phase in ("rollout", "rollout_wait", "reward", "reference", "train", "weight_sync",
+                      "eval", "checkpoint"):
+            out[f"time/{phase}"] = mine.get(phase, 0.0)
+        out["time/reference"] = mine.get("reference", 0.0)
+        out["time/train"] = max(0.0, out["time/train"] - out["time/reference"])  # nested span
+        busy = sum(v for k, v in mine.items() if k not in ("reference", "rollout_wait"))
+        out["time/idle"] = max(0.0, wall - busy)
+        rollout_time = max(mine.get("rollout", 0.0),
+                           sum(s.end - s.start for s in spans
+                               if s.phase == "rollout" and s.device != self.device))
+        out["throughput/gen_tokens_per_s"] = gen_tokens / rollout_time if rollout_time else 0.0
+        out["throughput/tokens_per_s"] = gen_tokens / wall
+        out["throughput/samples_per_s"] = samples_n / wall
+        train_t = out["time/train"] + out["time/reference"]
+        out["throughput/trained_tokens_per_s"] = trained_tokens / train_t if train_t else 0.0
+        out["tokens/generated"] = float(gen_tokens)
+        out["tokens/trained"] = float(trained_tokens)
+        dm = self.monitor.sample()
+        dm[f"device/{self.device}/busy_frac"] = PhaseRecorder.busy_fraction(
+            [s for s in spans if s.phase != "rollout_wait"], self.device, t0, t1)
+        for d in {s.device for s in spans if s.device != self.device}:
+            dm[f"device/{d}/busy_frac"] = PhaseRecorder.busy_fraction(spans, d, t0, t1)
+        dm.update(self._device_metrics)
+        self._device_metrics = {}
+        out.update(dm)
+        return out

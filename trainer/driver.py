@@ -1,0 +1,335 @@
+"""The driver: the Ray job's entrypoint side of a run.
+
+It builds the placement, starts the rollout workers and one controller actor per data-parallel
+rank, and then only watches: it drains small records from the controllers (scalar metrics,
+phase spans, events, checkpoint notices), combines the ranks' scalars per step and hands them
+to the reporters. It never sees a sample or a tensor. When a controller dies, the whole gang is
+restarted from the newest checkpoint (the gradient all-reduce needs every rank), up to
+`controller.max_restarts` times, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from trainer.config import TrainerConfig
+from trainer.telemetry import Reporter
+
+__all__ = ["Driver", "RunFailed", "combine_rank_metrics"]
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (restarts exhausted, or a failure before the first step)."""
+
+
+def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from every controller, combined as a reader of one run expects.
+
+    Throughput and token counts add up across ranks; phase times take the slowest rank (the
+    step waits for it); group counts add up; everything else (rewards, losses, device metrics
+    of distinct devices) is the mean over the ranks that report it.
+    """
+    keys: dict[str, list[float]] = defaultdict(list)
+    for m in per_rank:
+        for k, v in m.items():
+            keys[k].append(v)
+    out = {}
+    for k, vs in keys.items():
+        if k.startswith(("throughput/", "tokens/")) or k.endswith("_groups") or k == "reward/failed_batches":
+            out[k] = sum(vs)
+        elif k.startswith("time/") or k == "sampling/staleness":
+            out[k] = max(vs)
+        else:
+            out[k] = sum(vs) / len(vs)
+    return out
+
+
+def _remote_classes() -> tuple[Any, Any]:
+    import ray
+
+    from trainer.controller import ControllerLoop, RolloutWorker, free_address
+
+    @ray.remote(max_concurrency=4)
+    class ControllerActor:
+        def __init__(self, **kwargs: Any):
+            self.loop = ControllerLoop(**kwargs)
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def address(self) -> tuple[str, int]:
+            return free_address()
+
+        def run(self, master_addr: str, master_port: int) -> dict[str, Any]:
+            return self.loop.run(master_addr, master_port)
+
+        def drain(self) -> list[dict[str, Any]]:
+            return self.loop.drain()
+
+    RolloutActor = ray.remote(max_concurrency=2)(RolloutWorker)
+    return ControllerActor, RolloutActor
+
+
+class Driver:
+    def __init__(self, cfg: TrainerConfig, run_dir: str | Path, *, reporter: Reporter,
+                 on_step: Callable[[int, dict[str, float], Driver], None] | None = None,
+                 on_message: Callable[[str], None] | None = None):
+        from trainer.config import parse_config
+
+        self.cfg = parse_config(resolve_paths(cfg.model_dump()))
+        self.run_dir = Path(run_dir).resolve()
+        self.reporter = reporter
+        self.on_step = on_step
+        self.on_message = on_message or (lambda msg: None)
+        self.controllers: list[Any] = []
+        self.rollout_workers: list[Any] = []
+        self.restarts = 0
+        self.resumed_from: list[int] = []
+        self._pending: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+        self._step_metrics: dict[int, dict[str, float]] = {}
+        self._started_running = False
+        self._proc = psutil.Process()
+
+    # ------------------------------------------------------------------ public
+    def run(self) -> dict[str, Any]:
+        """Train to the end; returns the summary (also written to summary.json)."""
+
+        from trainer import checkpoint as ckpt
+        from trainer.models import ensure_model
+        from trainer.placement import build_placement
+
+        t_start = time.time()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            model_dir = str(ensure_model(self.cfg).resolve())
+            cfg_json = self.cfg.model_dump_json()
+            placement = build_placement(self.cfg)
+        except Exception as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+            raise
+        plan = placement.plan
+        self.reporter.log_event("placement", f"{plan.mode} on {plan.devices} {plan.device_type} "
+                                f"devices, {len(plan.train_devices)} controller(s)", plan.to_event())
+        for w in placement.warnings:
+            self.reporter.log_event("warning", w, {})
+        resume = ckpt.latest_checkpoint(self.run_dir)
+        if resume is not None:
+            self.reporter.log_event("restart", f"resuming from {resume.name}",
+                                    {"resume_step": int(resume.name.split('_')[1]),
+                                     "attempt": os.environ.get("YATT_ATTEMPT")})
+            self.resumed_from.append(int(resume.name.split("_")[1]))
+        ControllerActor, RolloutActor = _remote_classes()
+        results: list[dict[str, Any]] = []
+        try:
+            while True:
+                self._start_gang(placement, ControllerActor, RolloutActor, cfg_json, model_dir)
+                try:
+                    results = self._watch()
+                    break
+                except _ControllerDied as died:
+                    self._stop_gang()
+                    self.restarts += 1
+                    if self.restarts > self.cfg.controller.max_restarts:
+                        raise RunFailed(f"controller {died.rank} failed and "
+                                        f"controller.max_restarts={self.cfg.controller.max_restarts} "
+                                        f"restarts are used up: {died.reason}") from None
+                    latest = ckpt.latest_checkpoint(self.run_dir)
+                    step = int(latest.name.split("_")[1]) if latest else 0
+                    self.resumed_from.append(step)
+                    self._pending.clear()
+                    msg = (f"controller {died.rank} failed ({died.reason}); restart "
+                           f"{self.restarts}/{self.cfg.controller.max_restarts} from "
+                           f"{'step ' + str(step) if latest else 'the beginning'}")
+                    self.on_message(msg)
+                    self.reporter.log_event("restart", msg, {"rank": died.rank, "restart": self.restarts,
+                                                             "resume_step": step,
+                                                             "reason": died.reason[:2000]})
+        except Exception as exc:
+            self._stop_gang()
+            placement.remove()
+            self._fail(str(exc))
+            raise
+        self._stop_gang()
+        placement.remove()
+        summary = self._summary(results, t_start)
+        self.reporter.write_summary(summary)
+        self.reporter.set_state("succeeded", summary=summary)
+        return summary
+
+    # ------------------------------------------------------------------ the gang
+    def _start_gang(self, placement: Any, ControllerActor: Any, RolloutActor: Any, cfg_json: str,
+                    model_dir: str) -> None:
+        import ray
+
+        plan = placement.plan
+        env = {"YATT_RUN_DIR": str(self.run_dir)}
+        workers = {}
+        for d in plan.rollout_devices:
+            workers[d] = RolloutActor.options(**placement.actor_options(d, env)).remote(
+                cfg_json, d, model_dir, plan.device_type, plan.cpus_per_device)
+        self.rollout_workers = list(workers.values())
+        world = len(plan.train_devices)
+        self.controllers = [
+            ControllerActor.options(**placement.actor_options(d, env)).remote(
+                cfg_json=cfg_json, rank=r, world=world, device=d, device_type=plan.device_type,
+                cores=plan.cpus_per_device, run_dir=str(self.run_dir),
+                rollout_workers=[(w, workers[w]) for w in plan.rollout_assignment[r]],
+                local_sampler=d in plan.local_sampler_devices, model_dir=model_dir)
+            for r, d in enumerate(plan.train_devices)
+        ]
+        addr, port = ray.get(self.controllers[0].address.remote(), timeout=600)
+        self._runs = {c.run.remote(addr, port): r for r, c in enumerate(self.controllers)}
+
+    def _stop_gang(self) -> None:
+        import ray
+
+        for handle in self.controllers + self.rollout_workers:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:
+                pass
+        self.controllers, self.rollout_workers = [], []
+
+    def _watch(self) -> list[dict[str, Any]]:
+        import ray
+
+        results: dict[int, dict[str, Any]] = {}
+        pending = dict(self._runs)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+            self._drain(failed_ok=False)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except Exception as exc:
+                    self._drain(failed_ok=True)
+                    raise _ControllerDied(rank, f"{type(exc).__name__}: {_short(exc)}") from None
+        self._drain(failed_ok=True)
+        return [results[r] for r in sorted(results)]
+
+    def _drain(self, *, failed_ok: bool) -> None:
+        import ray
+
+        for rank, c in enumerate(self.controllers):
+            try:
+                records = ray.get(c.drain.remote(), timeout=60)
+            except Exception as exc:
+                if failed_ok:
+                    continue
+                raise _ControllerDied(rank, f"{type(exc).__name__}: {_short(exc)}") from None
+            for rec in records:
+                self._handle(rec)
+
+    # ------------------------------------------------------------------ records
+    def _handle(self, rec: dict[str, Any]) -> None:
+        kind = rec["type"]
+        if kind == "event":
+            if rec["kind"] == "resume":
+                return  # each rank resumes; rank 0's "restart" event says it once
+            self.reporter.log_event(rec["kind"], rec["message"], rec["data"])
+            if rec["kind"] in ("eval", "warning", "restart"):
+                self.on_message(rec["message"])
+        elif kind == "progress":
+            if rec["rank"] == 0:
+                self.on_message(rec["message"])
+        elif kind == "checkpoint":
+            self.reporter.log_checkpoint(rec["step"], rec["path"], rec["size_bytes"], rec["metrics"])
+        elif kind == "metrics":
+            step = rec["step"]
+            self._pending[step][rec["rank"]] = rec
+            if len(self._pending[step]) == len(self.controllers):
+                self._complete_step(step, self._pending.pop(step))
+
+    def _complete_step(self, step: int, per_rank: dict[int, dict[str, Any]]) -> None:
+        metrics = combine_rank_metrics([r["metrics"] for r in per_rank.values()])
+        if step > 0:
+            metrics["driver/rss_mb"] = self._proc.memory_info().rss / 2**20
+            metrics["controller/restarts"] = float(self.restarts)
+        if step > 0 and not self._started_running:
+            self._started_running = True
+            self.reporter.set_state("running")
+        self._step_metrics[step] = metrics
+        self.reporter.log_metrics(step, metrics)
+        spans = [s for r in per_rank.values() for s in r.get("spans", [])]
+        if spans:
+            self.reporter.log_event("phase_spans", f"step {step}", {"step": step, "spans": spans})
+        if self.on_step is not None and step > 0:
+            self.on_step(step, metrics, self)
+
+    # ------------------------------------------------------------------ the end
+    def _summary(self, results: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
+        ev = results[0]["eval"] if results else {}
+        steps = sorted(s for s in self._step_metrics if s > 0)
+        summary: dict[str, Any] = {
+            "steps": results[0]["step"] if results else 0,
+            "wall_time_s": time.time() - t_start,
+            "restarts": self.restarts,
+            "resumed_from_steps": self.resumed_from,
+            "algorithm": self.cfg.algorithm.name,
+            "placement": self.cfg.placement.mode,
+            "controller": self.cfg.controller.mode,
+            "rollout_engine": self.cfg.rollout.engine,
+            "run_dir": str(self.run_dir),
+        }
+        for k, v in ev.items():
+            summary[f"eval/{k}"] = v
+        if steps:
+            def mean(key: str) -> float:
+                vals = [self._step_metrics[s][key] for s in steps if key in self._step_metrics[s]]
+                return sum(vals) / len(vals) if vals else 0.0
+
+            keys = {k for s in steps for k in self._step_metrics[s]}
+            for k in sorted(keys):
+                if k.startswith(("throughput/", "time/")):
+                    summary[f"{k}_mean"] = mean(k)
+            last = self._step_metrics[steps[-1]]
+            for k in ("reward/mean", "loss/policy", "kl/mean", "entropy", "grad_norm", "lr"):
+                if k in last:
+                    summary[f"last/{k}"] = last[k]
+            summary["reward/mean_first"] = self._step_metrics[steps[0]].get("reward/mean")
+        if (self.run_dir / "final").exists():
+            summary["final_model"] = str(self.run_dir / "final")
+        return summary
+
+    def _fail(self, reason: str) -> None:
+        self.reporter.log_event("warning", f"run failed: {reason}", {})
+        self.reporter.set_state("failed", reason=reason[:4000])
+        try:
+            (self.run_dir / "error.txt").write_text(reason)
+        except OSError:
+            pass
+
+
+class _ControllerDied(Exception):
+    def __init__(self, rank: int, reason: str):
+        super().__init__(reason)
+        self.rank, self.reason = rank, reason
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) < 3000 else text[:1500] + " … " + text[-1500:]
+
+
+def resolve_paths(data: dict[str, Any], base: Path | None = None) -> dict[str, Any]:
+    """Make relative model/data paths absolute, so actors with another working dir find them."""
+    base = base or Path.cwd()
+    out = json.loads(json.dumps(data))
+    model = out.setdefault("model", {})
+    path = model.get("path", ".yatt/models/arith-micro")
+    if path.startswith((".", "/")) or (base / path).exists() or model.get("preset"):
+        model["path"] = str((base / path).resolve())
+    d = out.get("data", {})
+    for key in ("path", "eval_path"):
+        if d.get(key) and (base / d[key]).exists():
+            d[key] = str((base / d[key]).resolve())
+    return out

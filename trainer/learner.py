@@ -1,0 +1,346 @@
+"""The learner: policy (and reference, critic) on one device, and the update steps.
+
+Log-probs are recomputed with the policy being trained (not taken from the sampler), so the
+importance ratio compares like with like even when the sampler's numerics differ. Sequences are
+laid out as ``prompt + response`` right-padded to ``L``; per-token tensors are ``[B, L-1]`` in
+next-token order, with ``mask`` marking the response tokens. Gradients are averaged across the
+data-parallel group (``torch.distributed``) before clipping and the optimizer step, so every
+controller holds the same weights after every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trainer.algorithms import core as A
+from trainer.config import TrainerConfig
+
+__all__ = ["Learner", "RLBatch", "ValueModel", "lr_lambda"]
+
+
+@dataclass
+class RLBatch:
+    """What one RL update needs: token ids, and the scores of the `n` responses of each prompt."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    scores: list[float]
+    n: int
+    truncated: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+class ValueModel(nn.Module):
+    """PPO critic: the policy's backbone with a scalar head, one value per position."""
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        self.backbone = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else causal_lm.model
+        hidden = causal_lm.config.hidden_size
+        self.head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask)
+        return self.head(out.last_hidden_state.float()).squeeze(-1)
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    """Multiplier of the base lr at a step: linear warmup, then constant, linear or cosine decay."""
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total - warmup)
+        progress = min(1.0, (step - warmup) / span)
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class Learner:
+    def __init__(self, cfg: TrainerConfig, model_dir: str | Path, *, device: str = "cpu",
+                 dist_group: Any = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.group = dist_group  # None: a data-parallel group of one
+        algo = cfg.algorithm
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir),
+                                                       trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.eos_id = int(self.tokenizer.eos_token_id)
+        self.policy = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=_dtype(cfg.model.dtype),
+            trust_remote_code=cfg.model.trust_remote_code).to(self.device)
+        self.policy.train()
+        self.reference: nn.Module | None = None
+        if algo.kl_coef > 0 and algo.name != "sft":
+            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        self.critic: ValueModel | None = None
+        self.critic_opt: torch.optim.Optimizer | None = None
+        if algo.name == "ppo":
+            self.critic = ValueModel(copy.deepcopy(self.policy)).to(self.device)
+            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=algo.critic_lr)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.train.lr,
+                                           weight_decay=cfg.train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.train.lr_schedule, cfg.train.warmup_steps,
+                                      cfg.train.max_steps))
+
+    # ------------------------------------------------------------------ batches and forwards
+    def _layout(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Right-padded ``prompt + response`` sequences and where their responses sit.
+
+        Returns ``input_ids [B, L]``, ``attention_mask [B, L]``, ``index [B, T]`` (the position in
+        next-token order that predicts each response token) and ``mask [B, T]``. Per-token
+        tensors handed to trainer.algorithms are response-aligned ``[B, T]``: token 0 is the
+        first response token of every row, as those functions expect.
+        """
+        lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
+        L = max(lengths)
+        T = max(len(r) for r in response_ids)
+        B = len(lengths)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        index = torch.zeros((B, T), dtype=torch.long)
+        mask = torch.zeros((B, T), dtype=torch.float32)
+        for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+            seq = list(p) + list(r)
+            ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attn[i, : len(seq)] = 1
+            index[i, : len(r)] = torch.arange(len(p) - 1, len(seq) - 1)
+            mask[i, : len(r)] = 1.0
+        return ids.to(self.device), attn.to(self.device), index.to(self.device), mask.to(self.device)
+
+    def _logprobs(self, model: nn.Module, ids: Tensor, attn: Tensor, index: Tensor, *,
+                  entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Response-aligned log-probs ``[B, T]`` (and entropies) of ``model`` on the batch."""
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        lp = A.token_logprobs(logits, ids[:, 1:]).gather(1, index)
+        ent = A.entropy_from_logits(logits).gather(1, index) if entropy else None
+        return lp, ent
+
+    def _values(self, ids: Tensor, attn: Tensor, index: Tensor) -> Tensor:
+        assert self.critic is not None
+        return self.critic(ids, attn)[:, :-1].gather(1, index)
+
+    # ------------------------------------------------------------------ distributed
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else torch.distributed.get_world_size(self.group)
+
+    def _all_reduce_grads(self, params: list[nn.Parameter]) -> None:
+        if self.group is None:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=self.group)
+        flat /= self.world_size
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.group is not None:
+            torch.distributed.all_reduce(t, group=self.group)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ SFT
+    def sft_step(self, prompts: list[str], targets: list[str], optimizer: torch.optim.Optimizer
+                 ) -> dict[str, float]:
+        """One supervised step on prompt → target + EOS; returns loss/sft and grad_norm."""
+        tok = self.tokenizer
+        p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        r_ids = [tok(t, add_special_tokens=False)["input_ids"] + [self.eos_id] for t in targets]
+        ids, attn, index, mask = self._layout(p_ids, r_ids)
+        optimizer.zero_grad(set_to_none=True)
+        lp, _ = self._logprobs(self.policy, ids, attn, index)
+        loss = -A.masked_mean(lp, mask)  # token-mean cross entropy on the completion
+        loss.backward()
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self._all_reduce_grads(params)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
+        optimizer.step()
+        return {"loss/sft": float(loss.detach()), "grad_norm": float(grad_norm),
+                "trained_tokens": float(mask.sum())}
+
+    # ------------------------------------------------------------------ RL
+    def rl_step(self, batch: RLBatch, recorder: Any = None) -> dict[str, float]:
+        """One policy update (`train.ppo_epochs` optimizer steps) on a batch of scored samples.
+
+        An empty batch (every group dropped) still takes part in the gradient all-reduce, with
+        zero gradients, so the controllers stay in lock-step.
+        """
+        cfg, algo = self.cfg, self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if len(batch) == 0:
+            for _ in range(cfg.train.ppo_epochs):
+                self.optimizer.zero_grad(set_to_none=True)
+                self._all_reduce_grads(params)
+                self.optimizer.step()
+                if self.critic is not None:
+                    assert self.critic_opt is not None
+                    self.critic_opt.zero_grad(set_to_none=True)
+                    self._all_reduce_grads(list(self.critic.parameters()))
+            self.scheduler.step()
+            return {"train/empty_batch": 1.0, "lr": self.scheduler.get_last_lr()[0]}
+
+        ids, attn, index, mask = self._layout(batch.prompt_ids, batch.response_ids)
+        scores = torch.tensor(batch.scores, dtype=torch.float32, device=self.device)
+        if algo.overlong_penalty > 0:
+            lengths = mask.sum(dim=1)
+            buffer = max(1, cfg.rollout.max_new_tokens // 4)
+            scores = scores + algo.overlong_penalty * A.overlong_penalty(
+                lengths, cfg.rollout.max_new_tokens, buffer).to(scores.device)
+        mb = cfg.train.micro_batch_size
+        chunks = [slice(i, min(i + mb, len(batch))) for i in range(0, len(batch), mb)]
+
+        ref_span = recorder.span("reference") if recorder is not None else contextlib.nullcontext()
+        with torch.no_grad(), ref_span:
+            self.policy.eval()
+            old_lp = torch.cat([self._logprobs(self.policy, ids[c], attn[c], index[c])[0]
+                                for c in chunks])
+            self.policy.train()
+            ref_lp = kl = None
+            if self.reference is not None:
+                ref_lp = torch.cat([self._logprobs(self.reference, ids[c], attn[c], index[c])[0]
+                                    for c in chunks])
+                kl = A.kl_penalty(old_lp, ref_lp, algo.kl_estimator) * mask
+                metrics["kl/mean"] = float(A.masked_mean(kl, mask))
+                metrics["kl/seq_sum"] = float(kl.sum(dim=1).mean())
+            values = None
+            if self.critic is not None:
+                values = torch.cat([self._values(ids[c], attn[c], index[c]) for c in chunks]) * mask
+
+            kl_r = kl if (algo.kl_in_reward and kl is not None) else None
+            if algo.name in ("grpo", "rloo"):
+                seq_scores = scores - (algo.kl_coef * kl_r.sum(dim=1) if kl_r is not None else 0.0)
+                if algo.name == "grpo":
+                    adv = A.grpo_advantages(seq_scores, batch.n, algo.norm_adv_by_std)
+                else:
+                    adv = A.rloo_advantages(seq_scores, batch.n)
+                adv_tok = adv.unsqueeze(1).expand_as(mask) * mask
+            elif algo.name == "reinforce_pp":
+                adv_tok = A.reinforce_pp_advantages(scores, mask, kl_r, algo.kl_coef, algo.gamma)
+            elif algo.name == "ppo":
+                assert values is not None
+                tok_r = A.token_rewards(scores, mask, kl_r, algo.kl_coef)
+                adv_tok, returns = A.gae_advantages(tok_r, values, mask, algo.gamma, algo.lam)
+                metrics["critic/value_mean"] = float(A.masked_mean(values, mask))
+                adv_tok = A.masked_whiten(adv_tok, mask)
+            else:
+                raise ValueError(f"algorithm {algo.name!r} is not an RL algorithm")
+            metrics["advantage/mean"] = float(A.masked_mean(adv_tok, mask))
+            metrics["advantage/abs_mean"] = float(A.masked_mean(adv_tok.abs(), mask))
+
+        total_tokens = float(mask.sum().clamp(min=1))
+        want_entropy_grad = algo.entropy_coef > 0
+        sums = {"loss/policy": 0.0, "loss/kl": 0.0, "loss/value": 0.0, "entropy": 0.0,
+                "clip_frac": 0.0, "loss/total": 0.0}
+        grad_norms: list[float] = []
+        for _epoch in range(cfg.train.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.critic_opt is not None:
+                self.critic_opt.zero_grad(set_to_none=True)
+            for c in chunks:
+                m = mask[c]
+                # weight of this chunk in the batch's loss: its share of tokens or of sequences
+                w = (float(m.sum()) / total_tokens if algo.loss_agg == "token_mean"
+                     else (c.stop - c.start) / len(batch))
+                lp, ent = self._logprobs(self.policy, ids[c], attn[c], index[c], entropy=True)
+                assert ent is not None
+                pl, cf = A.policy_loss(lp, old_lp[c], adv_tok[c], m, algo.clip_ratio_low,
+                                       algo.clip_ratio_high, algo.loss_agg)
+                loss = pl
+                if ref_lp is not None and not algo.kl_in_reward:
+                    kl_t = A.aggregate(A.kl_penalty(lp, ref_lp[c], algo.kl_estimator), m, algo.loss_agg)
+                    loss = loss + algo.kl_coef * kl_t
+                    sums["loss/kl"] += w * float(kl_t.detach())
+                ent_agg = A.aggregate(ent if want_entropy_grad else ent.detach(), m, algo.loss_agg)
+                if want_entropy_grad:
+                    loss = loss - algo.entropy_coef * ent_agg
+                (loss * w).backward()
+                sums["loss/policy"] += w * float(pl.detach())
+                sums["entropy"] += w * float(ent_agg.detach())
+                sums["clip_frac"] += w * float(cf)
+                sums["loss/total"] += w * float(loss.detach())
+                if self.critic is not None:
+                    v = self._values(ids[c], attn[c], index[c])
+                    assert values is not None
+                    vl, _ = A.value_loss(v, values[c], returns[c], m)
+                    (vl * w).backward()
+                    sums["loss/value"] += w * float(vl.detach())
+            self._all_reduce_grads(params)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)))
+            self.optimizer.step()
+            if self.critic is not None:
+                assert self.critic_opt is not None
+                cparams = list(self.critic.parameters())
+                self._all_reduce_grads(cparams)
+                torch.nn.utils.clip_grad_norm_(cparams, cfg.train.grad_clip)
+                self.critic_opt.step()
+        epochs = cfg.train.ppo_epochs
+        metrics.update({k: v / epochs for k, v in sums.items()})
+        if self.reference is None or algo.kl_in_reward:
+            metrics.pop("loss/kl")
+        if self.critic is None:
+            metrics.pop("loss/value")
+        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["trained_tokens"] = float(mask.sum())
+        self.scheduler.step()
+        return metrics
+
+    # ------------------------------------------------------------------ eval and weights
+    @torch.no_grad()
+    def greedy(self, prompts: list[str], max_new_tokens: int, batch_size: int = 128) -> list[str]:
+        """Greedy completions of `prompts` with the policy (held-out evaluation)."""
+        self.policy.eval()
+        out: list[str] = []
+        try:
+            for i in range(0, len(prompts), batch_size):
+                enc = self.tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True,
+                                     add_special_tokens=False).to(self.device)
+                gen = self.policy.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                           pad_token_id=self.pad_id, eos_token_id=self.eos_id)
+                new = gen[:, enc["input_ids"].shape[1]:]
+                out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
+        finally:
+            self.policy.train()
+        return out
+
+    def named_weights(self) -> dict[str, Tensor]:
+        """The policy's weights by HF name, on CPU: what a sampler loads after an update."""
+        return {k: v.detach().to("cpu") for k, v in self.policy.state_dict().items()}
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.policy.parameters())
