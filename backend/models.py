@@ -2,6 +2,7 @@
 
 from backend.auth.models import ApiToken, Project, Role
 from backend.db import Base
+from backend.dispatch.models import RunLog
 from backend.metrics.models import MetricPoint, MetricSummary
 from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
 
@@ -19,6 +20,7 @@ __all__ = [
     "Run",
     "RunAttempt",
     "RunEvent",
+    "RunLog",
     "RunTag",
     "metadata",
 ]

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     stream_poll_s: float = Field(0.5, gt=0, description="How often SSE streams look for news.")
     sqlite_busy_timeout_ms: int = Field(30_000, ge=0)
     # dispatch (backend/dispatch): Celery worker, reconciler, Ray Jobs
+    dispatch: bool = Field(
+        True, description="Enqueue dispatch tasks after run state changes (false: API only)."
+    )
     reconcile_interval_s: float = Field(3.0, gt=0, description="How often the reconciler runs.")
     max_concurrent_runs_per_project: int = Field(
         4, ge=1, description="Runs of one project that may hold devices at once."

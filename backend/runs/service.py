@@ -70,6 +70,7 @@ class RunStateChange:
     to_state: RunState
     attempt: int
     reason: str | None = None
+    priority: int = 0
 
 
 StateHook = Callable[[RunStateChange], None]
@@ -252,7 +253,9 @@ def create_run(
     _add_state_event(db_session, run, None, RunState.queued, None)
     _notify_after_commit(
         db_session,
-        RunStateChange(run.id, run.project_id, None, RunState.queued, run.attempt),
+        RunStateChange(
+            run.id, run.project_id, None, RunState.queued, run.attempt, priority=run.priority
+        ),
     )
     return run, True
 
@@ -358,7 +361,9 @@ def transition(
     db_session.flush()
     _notify_after_commit(
         db_session,
-        RunStateChange(run.id, run.project_id, current, target, run.attempt, reason),
+        RunStateChange(
+            run.id, run.project_id, current, target, run.attempt, reason, priority=run.priority
+        ),
     )
     return run
 
@@ -601,6 +606,11 @@ def list_events(
     if kinds:
         stmt = stmt.where(RunEvent.kind.in_(list(kinds)))
     return list(db_session.scalars(stmt.order_by(RunEvent.id).limit(limit)))
+
+
+def last_event_id(*, db_session: Session, run_id: int) -> int:
+    """The id of the run's newest event (0 when it has none)."""
+    return int(db_session.scalar(select(func.max(RunEvent.id)).where(RunEvent.run_id == run_id)) or 0)
 
 
 def add_checkpoint(*, db_session: Session, run: Run, checkpoint_in: CheckpointIn) -> Checkpoint:

@@ -1,0 +1,162 @@
+"""A local Ray head for the embedded stack, started on demand and stopped with nothing else.
+
+`ray start --head --block` runs as our child in its own process group; stopping it sends
+SIGTERM to that group and then kills whatever still names this head's temp dir, so a second
+stack or another Ray on the machine is never touched (unlike `ray stop`, which stops all).
+
+Devices: on a GPU node Ray counts the GPUs; on a CPU-only machine every core becomes one
+device, declared as the logical resource `yatt_device` (DESIGN.md §3.3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from backend.dispatch.ray_cluster import RayCluster, local_head_file
+from backend.settings import Settings
+
+DEVICE_RESOURCE = "yatt_device"
+
+
+@dataclass
+class LocalHead:
+    dashboard_url: str
+    gcs_address: str
+    temp_dir: str
+    pid: int
+    devices: int
+
+    def alive(self) -> bool:
+        return psutil.pid_exists(self.pid) and RayCluster(self.dashboard_url).ping()
+
+
+def count_devices() -> int:
+    """GPUs when there are GPUs, else one device per core."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            gpus = int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+        if gpus:
+            return gpus
+    except Exception:  # no NVML library or no driver: a CPU machine
+        pass
+    return os.cpu_count() or 1
+
+
+def read_head(settings: Settings) -> LocalHead | None:
+    """The local head recorded under the data dir, if its process still runs."""
+    try:
+        head = LocalHead(**json.loads(local_head_file(settings).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return head if head.alive() else None
+
+
+def start_head(
+    settings: Settings,
+    *,
+    port: int = 6390,
+    dashboard_port: int = 8265,
+    devices: int | None = None,
+    timeout_s: float = 120.0,
+    log_path: Path | None = None,
+) -> LocalHead:
+    """Start `ray start --head --block` and wait until its Jobs API answers."""
+    devices = devices or count_devices()
+    temp_dir = f"/tmp/yatt-ray-{dashboard_port}"  # short: Ray's unix socket paths are limited
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    cmd = [
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        "--head",
+        "--block",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
+        f"--temp-dir={temp_dir}",
+        f"--num-cpus={os.cpu_count() or 1}",
+        f"--resources={json.dumps({DEVICE_RESOURCE: devices})}",
+        "--include-dashboard=true",
+        "--disable-usage-stats",
+    ]
+    log_file = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=Path.cwd(),
+    )
+    head = LocalHead(
+        dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+        gcs_address=f"127.0.0.1:{port}",
+        temp_dir=temp_dir,
+        pid=proc.pid,
+        devices=devices,
+    )
+    deadline = time.monotonic() + timeout_s
+    cluster = RayCluster(head.dashboard_url, timeout_s=2.0)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}; see {log_path}")
+        if cluster.ping():
+            try:
+                if cluster.nodes():
+                    break
+            except Exception:
+                pass
+        time.sleep(0.5)
+    else:
+        stop_head(head)
+        raise TimeoutError(f"the local Ray head did not answer within {timeout_s:.0f} s")
+    path = local_head_file(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(head)))
+    return head
+
+
+def ensure_head(settings: Settings, **kwargs: object) -> LocalHead | None:
+    """The running local head, started when none runs; None when YATT_RAY_ADDRESS is set."""
+    if settings.ray_address:
+        return None
+    return read_head(settings) or start_head(settings, **kwargs)  # type: ignore[arg-type]
+
+
+def stop_head(head: LocalHead, settings: Settings | None = None) -> None:
+    """Stop this head and every process that belongs to it; nothing else."""
+    try:
+        os.killpg(head.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and psutil.pid_exists(head.pid):
+        try:
+            if psutil.Process(head.pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if head.temp_dir in cmdline:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+    if settings is not None:
+        local_head_file(settings).unlink(missing_ok=True)
