@@ -1,0 +1,164 @@
+"""create_app(): routers, middleware, error handlers — nothing else."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from backend.auth.routes import router as auth_router
+from backend.db import Database
+from backend.metrics.routes import router as metrics_router
+from backend.runs.routes import router as runs_router
+from backend.runs.service import IdempotencyConflict, InvalidQuery, RunNotFound
+from backend.runs.state import IllegalTransition
+from backend.settings import Settings, get_settings
+from trainer.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/api/v1"
+# Optional routers that live beside the code they serve: a module that is not written yet is
+# simply absent. Each exposes `router` and, optionally, `install(app)` (e.g. to register a
+# run-state hook with backend.runs.service.add_state_hook).
+PLUGINS = ("backend.dispatch.routes",)
+
+
+class BodySizeLimit:
+    """Answer 413 to request bodies over `max_bytes`, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+        self._message = f"request body larger than {max_bytes} bytes (YATT_MAX_BODY_BYTES)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._too_large(send)
+                return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    # an HTTPException is what FastAPI lets through while it reads a body
+                    raise HTTPException(413, self._message)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except HTTPException as exc:
+            if exc.status_code != 413 or started:
+                raise
+            if not started:
+                await self._too_large(send)
+
+    async def _too_large(self, send: Send) -> None:
+        response = JSONResponse({"detail": self._message}, status_code=413)
+        await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def _config_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ConfigError)
+    detail = [
+        {
+            "loc": ["body", "config", *path.split(".")] if path else ["body", "config"],
+            "path": path,
+            "msg": msg,
+            "type": "config",
+        }
+        for path, msg in exc.errors
+    ]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+def _status(code: int) -> Any:
+    def handler(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=code)
+
+    return handler
+
+
+def create_app(settings: Settings | None = None, database: Database | None = None) -> FastAPI:
+    """The yatt API. Without arguments it reads YATT_* settings and opens their database."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = database is None
+        app.state.db = database or Database.from_settings(settings)
+        try:
+            yield
+        finally:
+            if owned:
+                app.state.db.dispose()
+
+    app = FastAPI(
+        title="yatt",
+        version="0.1.0",
+        summary="Managed RLHF training: experiments, runs, live metrics.",
+        description="Every route under `/api/v1` needs `Authorization: Bearer <token>`; "
+        "`/healthz` and `/readyz` do not.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    if database is not None:
+        app.state.db = database
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_exception_handler(ConfigError, _config_error)
+    app.add_exception_handler(IllegalTransition, _status(409))
+    app.add_exception_handler(IdempotencyConflict, _status(409))
+    app.add_exception_handler(RunNotFound, _status(404))
+    app.add_exception_handler(InvalidQuery, _status(422))
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, str]:
+        """The process is up."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], responses={503: {"description": "Database unreachable."}})
+    def readyz(request: Request) -> JSONResponse:
+        """The database answers."""
+        try:
+            request.app.state.db.ping()
+        except Exception as exc:  # any failure means not ready
+            return JSONResponse({"status": "unavailable", "detail": str(exc)[:500]}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    app.include_router(auth_router, prefix=API_PREFIX)
+    app.include_router(runs_router, prefix=API_PREFIX)
+    app.include_router(metrics_router, prefix=API_PREFIX)
+    for name in PLUGINS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and name.startswith(exc.name):
+                continue
+            raise
+        if hasattr(module, "router"):
+            app.include_router(module.router, prefix=API_PREFIX)
+        if hasattr(module, "install"):
+            module.install(app)
+    return app

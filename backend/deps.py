@@ -1,0 +1,121 @@
+"""FastAPI dependencies as `Annotated` aliases: the database, sessions, the caller and their rights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from backend.auth import service as auth_service
+from backend.auth.models import Role
+from backend.auth.service import Principal
+from backend.db import Database
+from backend.runs import service as run_service
+from backend.runs.models import Run
+from backend.settings import Settings
+
+_bearer = HTTPBearer(auto_error=False, description="An API token: `Authorization: Bearer yatt_…`")
+
+
+def get_database(request: Request) -> Database:
+    return request.app.state.db  # type: ignore[no-any-return]
+
+
+def get_settings_dep(request: Request) -> Settings:
+    return request.app.state.settings  # type: ignore[no-any-return]
+
+
+DatabaseDep = Annotated[Database, Depends(get_database)]
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+
+
+def get_session(db: DatabaseDep) -> Iterator[Session]:
+    """A write session; routes commit explicitly, anything uncommitted is rolled back."""
+    with db.sessionmaker() as db_session:
+        yield db_session
+
+
+def get_read_session(db: DatabaseDep) -> Iterator[Session]:
+    """A read-only session (never waits for writers on SQLite)."""
+    with db.read_session() as db_session:
+        yield db_session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+ReadSessionDep = Annotated[Session, Depends(get_read_session)]
+
+
+def authenticate(
+    db: DatabaseDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    """The caller behind the bearer token; 401 without a valid one."""
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "missing token: send 'Authorization: Bearer <token>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    with db.read_session() as db_session:
+        principal = auth_service.authenticate(db_session=db_session, token=credentials.credentials)
+    if principal is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "invalid, expired or revoked token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return principal
+
+
+CurrentPrincipal = Annotated[Principal, Depends(authenticate)]
+
+
+def _require(role: Role) -> object:
+    def check(principal: CurrentPrincipal) -> Principal:
+        if not principal.can(role):
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                f"this needs a token with role {role.value} or higher; yours is {principal.role.value}",
+            )
+        return principal
+
+    return Depends(check)
+
+
+Reader = Annotated[Principal, _require(Role.read)]
+Writer = Annotated[Principal, _require(Role.write)]
+Admin = Annotated[Principal, _require(Role.admin)]
+
+
+def not_found(run_id: int) -> HTTPException:
+    return HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
+
+
+def readable_run(run_id: int, principal: CurrentPrincipal, db_session: ReadSessionDep) -> Run:
+    """A run the caller may read: any run of its project for read+ tokens, its own for run tokens."""
+    if principal.role is Role.run and principal.run_id != run_id:
+        raise not_found(run_id)
+    run = run_service.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
+    if run is None:
+        raise not_found(run_id)
+    return run
+
+
+def run_writer(run_id: int, principal: CurrentPrincipal, db_session: SessionDep) -> Run:
+    """A run whose telemetry the caller may write: its run token, or a write+ token of the project."""
+    if principal.role is Role.run:
+        if principal.run_id != run_id:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"this run token cannot write run {run_id}")
+    elif not principal.can(Role.write):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "this needs a run token or a write token")
+    run = run_service.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
+    if run is None:
+        raise not_found(run_id)
+    return run
+
+
+ReadableRun = Annotated[Run, Depends(readable_run)]
+WritableRun = Annotated[Run, Depends(run_writer)]

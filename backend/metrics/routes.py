@@ -1,0 +1,66 @@
+"""HTTP routes for metric ingest and reads."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import JSONResponse
+
+from backend.deps import ReadableRun, ReadSessionDep, SessionDep, SettingsDep, WritableRun
+from backend.metrics import service
+from backend.metrics.schemas import MetricBatch, MetricKeyOut, MetricSeries
+from backend.runs.schemas import Accepted
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.post(
+    "/runs/{run_id}/metrics", response_model=Accepted,
+    responses={413: {"description": "More points than the batch limit (10,000)."}},
+)
+def post_metrics(run: WritableRun, body: MetricBatch, db_session: SessionDep, settings: SettingsDep) -> Accepted:
+    """Append a batch of points in one transaction. Non-finite values (NaN, ±Infinity) are
+    stored as null with their key and step kept; min/max ignore them."""
+    if len(body.points) > settings.max_metric_points:
+        raise HTTPException(
+            413,
+            f"{len(body.points)} points in one batch; the limit is {settings.max_metric_points}: "
+            "split the batch",
+        )
+    n = service.ingest(db_session=db_session, run_id=run.id, points=body.points)
+    db_session.commit()
+    return Accepted(accepted=n)
+
+
+@router.get("/runs/{run_id}/metrics", response_model=MetricSeries)
+def get_metrics(
+    run: ReadableRun,
+    db_session: ReadSessionDep,
+    keys: Annotated[
+        str | None, Query(description="Comma-separated keys; default: every key.", examples=["reward/mean,kl/mean"])
+    ] = None,
+    max_points: Annotated[
+        int | None,
+        Query(ge=2, le=1_000_000, description="Sample each series evenly over its steps to at most "
+              "this many points (always keeping the last); default: every point."),
+    ] = None,
+) -> JSONResponse:
+    """Each key's series in step order; non-finite values come back as null."""
+    wanted = [k.strip() for k in (keys or "").split(",") if k.strip()]
+    series = service.series(
+        db_session=db_session, run_id=run.id, keys=wanted or None, max_points=max_points or 10**12
+    )
+    return JSONResponse({"series": series})
+
+
+@router.get("/runs/{run_id}/metric-keys", response_model=list[MetricKeyOut])
+def metric_keys(run: ReadableRun, db_session: ReadSessionDep) -> list[MetricKeyOut]:
+    """Every key the run reported, with latest (at the highest step), min, max and count."""
+    return [
+        MetricKeyOut(
+            key=s.key, latest=s.latest, latest_step=s.latest_step, latest_time=s.latest_time,
+            min=s.min, max=s.max, count=s.count,
+        )
+        for s in service.summaries(db_session=db_session, run_id=run.id)
+    ]
