@@ -1,0 +1,176 @@
+"""Shared fixtures: real databases and a live API server.
+
+- `postgres_url` (session): a fresh PostgreSQL database `yatt_test_<random>` on 127.0.0.1,
+  migrated, dropped at the end of the session.
+- `live_api`: a live API (uvicorn in a thread, free port) and a fresh project with an admin
+  token; SQLite by default. Over both databases:
+  `@pytest.mark.parametrize("live_api", DATABASES, indirect=True)`.
+  The server is shared per database for the session; each test gets its own project, so
+  tests cannot see each other's runs.
+- `fresh_api`: the same with a server and SQLite database of its own, for tests that look
+  across projects (the dispatcher's queue) or need an empty database.
+- `start_api(database_url, **settings)`: start one yourself; call `.stop()` when done.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import uvicorn
+
+from backend.app import create_app
+from backend.auth import service as auth_service
+from backend.auth.models import Role
+from backend.client import YattClient
+from backend.db import Database
+from backend.migrate import upgrade
+from backend.settings import Settings
+
+PG_ADMIN_URL = os.environ.get("YATT_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
+DATABASES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+@dataclass
+class LiveServer:
+    """A running API: its base URL, its database and settings."""
+
+    url: str
+    database: Database
+    settings: Settings
+    _server: uvicorn.Server = field(repr=False)
+    _thread: threading.Thread = field(repr=False)
+
+    def make_token(self, project: str, role: str = "admin") -> str:
+        """A new token for `project` (created if needed)."""
+        with self.database.session() as s:
+            proj = auth_service.get_or_create_project(db_session=s, name=project)
+            _, value = auth_service.create_token(
+                db_session=s, project_id=proj.id, name=f"test-{role}", role=Role(role)
+            )
+        return value
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+        self.database.dispose()
+
+
+def start_api(database_url: str, data_dir: Path, **settings: Any) -> LiveServer:
+    """Migrate `database_url` and serve the API on a free port in a background thread."""
+    upgrade(database_url)
+    cfg = Settings(data_dir=data_dir, database_url=database_url, stream_poll_s=0.1, **settings)
+    database = Database(database_url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(cfg, database), log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the API did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", database, cfg, server, thread)
+
+
+@dataclass
+class LiveAPI:
+    """A live server plus a fresh project and its admin token (and a client using it)."""
+
+    server: LiveServer
+    project: str
+    token: str
+    client: YattClient
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def database(self) -> Database:
+        return self.server.database
+
+    def client_for(self, role: str, project: str | None = None) -> YattClient:
+        """A client with a new token of `role` in this (or another) project."""
+        return YattClient(self.url, self.server.make_token(project or self.project, role), retries=0)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for this session (dropped afterwards)."""
+    name = f"yatt_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    try:
+        yield url
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def database_url_for(kind: str, request: pytest.FixtureRequest, tmp: Path) -> str:
+    """A database URL of `kind` ("sqlite": a new file under `tmp`; "postgresql": the session's)."""
+    if kind == "sqlite":
+        return f"sqlite:///{tmp / 'yatt.db'}"
+    if kind == "postgresql":
+        return str(request.getfixturevalue("postgres_url"))
+    raise ValueError(f"unknown database kind {kind!r}")
+
+
+@pytest.fixture(scope="session")
+def _api_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LiveServer]]:
+    servers: dict[str, LiveServer] = {}
+    yield servers
+    for server in servers.values():
+        server.stop()
+
+
+def _new_project(server: LiveServer) -> LiveAPI:
+    project = f"test-{uuid.uuid4().hex[:8]}"
+    token = server.make_token(project, "admin")
+    return LiveAPI(server, project, token, YattClient(server.url, token, retries=0))
+
+
+@pytest.fixture(params=["sqlite"])
+def live_api(
+    request: pytest.FixtureRequest,
+    _api_servers: dict[str, LiveServer],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[LiveAPI]:
+    """A live API with a fresh project and its admin token (param: "sqlite" or "postgresql")."""
+    kind = request.param
+    if kind not in _api_servers:
+        tmp = tmp_path_factory.mktemp(f"api-{kind}")
+        _api_servers[kind] = start_api(database_url_for(kind, request, tmp), tmp)
+    api = _new_project(_api_servers[kind])
+    try:
+        yield api
+    finally:
+        api.client.close()
+
+
+@pytest.fixture
+def fresh_api(tmp_path: Path) -> Iterator[LiveAPI]:
+    """A live API with its own new SQLite database, and an admin token."""
+    server = start_api(f"sqlite:///{tmp_path / 'yatt.db'}", tmp_path)
+    api = _new_project(server)
+    try:
+        yield api
+    finally:
+        api.client.close()
+        server.stop()
