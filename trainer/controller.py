@@ -22,7 +22,6 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.config import TrainerConfig, parse_config
-from trainer.learner import Learner, RLBatch
+from trainer.learner import DataParallelGroup, Learner, RLBatch
 from trainer.sampling import DynamicSampler, Group
 from trainer.telemetry import DeviceMonitor, PhaseRecorder
 
@@ -93,7 +92,7 @@ class RolloutWorker:
         threads = max(1, int(cores))
         torch.set_num_threads(threads)
         self.monitor = DeviceMonitor(device, device_type=device_type, cores=cores)
-        self.engine = make_engine(self.cfg, model_dir, threads=threads)
+        self.engine = make_engine(self.cfg, model_dir, threads=threads, seed=self.cfg.seed + 101 * device)
         self.version = -1
 
     def pid(self) -> int:
@@ -167,13 +166,10 @@ class ControllerLoop:
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed + self.rank)
         random.seed(cfg.seed + self.rank)
-        self.group = None
+        self.group: DataParallelGroup | None = None
         if self.world > 1:
-            backend = "nccl" if self.device_type == "gpu" else "gloo"
-            torch.distributed.init_process_group(
-                backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                world_size=self.world, timeout=timedelta(minutes=10))
-            self.group = torch.distributed.group.WORLD
+            self.group = DataParallelGroup(master_addr, master_port, self.rank, self.world,
+                                           backend="nccl" if self.device_type == "gpu" else "gloo")
         from trainer.data import load_task
         from trainer.rewards import build_reward
 
@@ -209,7 +205,7 @@ class ControllerLoop:
         if self.local_sampler:
             from trainer.rollout import make_engine
 
-            self.engine = make_engine(cfg, model_dir, threads=threads)
+            self.engine = make_engine(cfg, model_dir, threads=threads, seed=cfg.seed + 101 * self.device)
 
     # ------------------------------------------------------------------ sampling
     def _submit(self, examples: list[Any], n: int) -> _Pending:
@@ -339,9 +335,10 @@ class ControllerLoop:
         correct, total = self.learner.all_reduce_sum([sum(scores), float(len(scores))])
         acc = correct / max(total, 1.0)
         self.state["eval"][f"accuracy_{when}"] = acc
-        self._event("eval", f"held-out accuracy at {when}: {acc:.3f}",
-                    {"when": when, "accuracy": acc, "n": total, "step": self.state["step"],
-                     "time_s": time.time() - t})
+        if self.rank == 0:
+            self._event("eval", f"held-out accuracy at {when}: {acc:.3f}",
+                        {"when": when, "accuracy": acc, "n": total, "step": self.state["step"],
+                         "time_s": time.time() - t})
         return acc
 
     def _checkpoint(self, step: int, metrics: dict[str, float]) -> None:
@@ -353,12 +350,12 @@ class ControllerLoop:
                                  optimizer=lr.optimizer, scheduler=lr.scheduler, critic=lr.critic,
                                  critic_opt=lr.critic_opt, reference=lr.reference)
             if self.group is not None:
-                torch.distributed.barrier(group=self.group)  # rank 0 created the directory
+                self.group.barrier()  # rank 0 created the directory
             ckpt.save_rank(path, self.rank, {"position": self.stream.position,
                                              "sampling": self.sampler.state_dict(),
                                              "rng": ckpt.rng_state()})
             if self.group is not None:
-                torch.distributed.barrier(group=self.group)
+                self.group.barrier()
             if self.rank == 0:
                 ckpt.mark_complete(path, {**self.state, "step": step})
                 ckpt.prune(self.run_dir, self.cfg.checkpoint.keep)
@@ -461,8 +458,6 @@ class ControllerLoop:
                               tokenizer=self.learner.tokenizer)
         if self.engine is not None:
             self.engine.close()
-        if self.group is not None:
-            torch.distributed.destroy_process_group()
         return {"rank": self.rank, "step": self.state["step"], "eval": self.state["eval"]}
 
     def _step_metrics(self, step: int, t0: float, t1: float, gen_tokens: int, samples_n: int,

@@ -212,9 +212,23 @@ class Driver:
                     results[rank] = ray.get(ref)
                 except Exception as exc:
                     self._drain(failed_ok=True)
-                    raise _ControllerDied(rank, f"{type(exc).__name__}: {_short(exc)}") from None
+                    # A peer of a dead controller fails too (its all-reduce breaks): name the dead one.
+                    dead = self._dead_ranks()
+                    culprit = dead[0] if dead else rank
+                    raise _ControllerDied(culprit, f"{type(exc).__name__}: {_short(exc)}") from None
         self._drain(failed_ok=True)
         return [results[r] for r in sorted(results)]
+
+    def _dead_ranks(self) -> list[int]:
+        import ray
+
+        dead = []
+        for rank, c in enumerate(self.controllers):
+            try:
+                ray.get(c.pid.remote(), timeout=10)
+            except Exception:
+                dead.append(rank)
+        return dead
 
     def _drain(self, *, failed_ok: bool) -> None:
         import ray

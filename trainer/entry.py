@@ -22,11 +22,17 @@ __all__ = ["connect_ray", "run_training", "main"]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
+# Progress bars of model loading and saving would drown the progress lines.
+for _k, _v in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TRANSFORMERS_VERBOSITY", "error")):
+    os.environ.setdefault(_k, _v)
+
 
 def connect_ray(cfg: TrainerConfig, address: str | None = None) -> str:
-    """Connect to Ray: `address` (or RAY_ADDRESS, set for a job), else a running local cluster,
-    else a new local head whose CPU devices are declared as the `yatt_device` resource.
-    Returns how it connected, for the log."""
+    """Connect to Ray: `address` (or RAY_ADDRESS, set for a job, or YATT_RAY_ADDRESS), else start
+    a local head of our own whose CPU devices are declared as the `yatt_device` resource.
+
+    A cluster merely found running on this machine is not joined: on a shared machine it may
+    belong to someone else and go away mid-run. Returns how it connected, for the log."""
     import ray
 
     from trainer.placement import DEVICE_RESOURCE
@@ -40,15 +46,10 @@ def connect_ray(cfg: TrainerConfig, address: str | None = None) -> str:
         return f"connected to {address}"
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
         p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)}}
-    try:
-        ray.init(address="auto", runtime_env=runtime_env, **quiet)
-        return "connected to the running local Ray cluster"
-    except (ConnectionError, RuntimeError):
-        pass
     p = cfg.placement
     cpus = max(os.cpu_count() or 1, int(p.devices * p.cpus_per_device + 0.999))
     resources = {} if p.device_type == "gpu" else {DEVICE_RESOURCE: float(p.devices)}
-    ray.init(num_cpus=cpus, resources=resources, include_dashboard=False,
+    ray.init(address="local", num_cpus=cpus, resources=resources, include_dashboard=False,
              runtime_env=runtime_env, **quiet)
     return f"started a local Ray head ({cpus} CPUs, {resources or 'GPUs'})"
 

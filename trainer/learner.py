@@ -23,7 +23,41 @@ from torch import Tensor, nn
 from trainer.algorithms import core as A
 from trainer.config import TrainerConfig
 
-__all__ = ["Learner", "RLBatch", "ValueModel", "lr_lambda"]
+__all__ = ["DataParallelGroup", "Learner", "RLBatch", "ValueModel", "lr_lambda"]
+
+
+class DataParallelGroup:
+    """The controllers' gradient all-reduce group: gloo on CPU, NCCL on GPU.
+
+    Built directly on a TCPStore instead of torch.distributed's default group, because an
+    in-process vLLM engine initializes (and expects to own) that default group for itself.
+    """
+
+    def __init__(self, master_addr: str, master_port: int, rank: int, world: int, *,
+                 backend: str = "gloo", timeout_s: float = 600.0):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        self.rank, self.world = rank, world
+        self.store = dist.TCPStore(master_addr, master_port, world, rank == 0, timeout=timeout)
+        prefixed = dist.PrefixStore("yatt-dp", self.store)
+        if backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """Sum `t` over the group, in place."""
+        self.pg.allreduce([t]).wait()
+        return t
+
+    def barrier(self) -> None:
+        self.pg.barrier().wait()
+
+    def size(self) -> int:
+        return self.world
 
 
 @dataclass
@@ -152,14 +186,14 @@ class Learner:
     # ------------------------------------------------------------------ distributed
     @property
     def world_size(self) -> int:
-        return 1 if self.group is None else torch.distributed.get_world_size(self.group)
+        return 1 if self.group is None else self.group.size()
 
     def _all_reduce_grads(self, params: list[nn.Parameter]) -> None:
         if self.group is None:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        torch.distributed.all_reduce(flat, group=self.group)
+        self.group.all_reduce(flat)
         flat /= self.world_size
         offset = 0
         for p in params:
@@ -168,10 +202,11 @@ class Learner:
             offset += n
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
+                         device=self.device)
         if self.group is not None:
-            torch.distributed.all_reduce(t, group=self.group)
-        return t.tolist()
+            self.group.all_reduce(t)
+        return t.cpu().tolist()
 
     # ------------------------------------------------------------------ SFT
     def sft_step(self, prompts: list[str], targets: list[str], optimizer: torch.optim.Optimizer

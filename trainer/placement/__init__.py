@@ -46,7 +46,9 @@ class Placement:
     def device_env(self) -> dict[str, str]:
         threads = str(max(1, int(self.plan.cpus_per_device)))
         return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
 
     def remove(self) -> None:
         import ray

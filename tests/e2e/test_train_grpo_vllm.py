@@ -1,0 +1,85 @@
+"""CI's training check: a few GRPO steps on a real Ray, vLLM rollouts, two parallel controllers,
+reporting to a real HTTP server as the dispatcher's job would."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.trainer_helpers import (  # noqa: F401  (fixtures)
+    nano_model,
+    ray_head,
+    read_events,
+    read_metrics,
+    read_summary,
+    tiny_config,
+)
+from tests.unit.test_telemetry import FakeApi, free_port, wait_for
+from trainer.entry import run_training
+
+# DESIGN.md §3.7: what every RL step reports.
+STEP_KEYS = [
+    "throughput/gen_tokens_per_s", "throughput/samples_per_s", "throughput/trained_tokens_per_s",
+    "time/rollout", "time/reward", "time/reference", "time/train", "time/weight_sync", "time/idle",
+    "device/0/util_pct", "device/0/memory_mb", "device/0/busy_frac",
+    "device/1/util_pct", "device/1/memory_mb", "device/1/busy_frac",
+    "reward/mean", "reward/std", "kl/mean", "loss/policy", "loss/kl", "entropy", "clip_frac",
+    "grad_norm", "lr", "response/length_mean", "response/length_max",
+    "sampling/valid_fraction", "sampling/oversample_ratio",
+]
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_on_two_parallel_controllers(ray_head, nano_model, tmp_path):
+    port = free_port()
+    api = FakeApi(port)
+    env = {"YATT_API_URL": f"http://127.0.0.1:{port}", "YATT_RUN_TOKEN": "run-token",
+           "YATT_RUN_ID": "9"}
+    cfg = tiny_config(nano_model, rollout={"engine": "vllm"},
+                      algorithm={"name": "grpo", "kl_coef": 0.01,
+                                 "warm_start": {"steps": 10, "batch_size": 16, "lr": 3e-3}},
+                      sampling={"dynamic": True, "max_refills": 1})
+    seen: list[int] = []
+    try:
+        summary = run_training(cfg, tmp_path, env=env, on_step=lambda s, m, d: seen.append(s))
+        assert wait_for(lambda: any(b.get("state") == "succeeded" for p, b, _ in api.received
+                                    if p.endswith("/state")))
+    finally:
+        api.stop()
+
+    assert seen == [1, 2, 3]
+    steps = {m["step"]: m for m in read_metrics(tmp_path)}
+    for step in (1, 2, 3):
+        missing = [k for k in STEP_KEYS if k not in steps[step]]
+        assert not missing, f"step {step} lacks {missing}"
+    assert steps[3]["tokens/generated"] > 0
+    assert 0 <= steps[2]["device/0/busy_frac"] <= 1
+
+    events = read_events(tmp_path)
+    kinds = [e["kind"] for e in events]
+    placement = next(e for e in events if e["kind"] == "placement")["data"]
+    assert placement["mode"] == "colocate" and placement["train_devices"] == [0, 1]
+    spans = [s for e in events if e["kind"] == "phase_spans" for s in e["data"]["spans"]]
+    assert {s["device"] for s in spans} == {0, 1}
+    assert {"rollout", "reward", "train", "weight_sync"} <= {s["phase"] for s in spans}
+    assert kinds.count("eval") == 2 and "checkpoint" in kinds
+
+    assert summary == read_summary(tmp_path)
+    assert summary["steps"] == 3 and summary["restarts"] == 0
+    assert 0 <= summary["eval/accuracy_start"] <= 1 and 0 <= summary["eval/accuracy_end"] <= 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+    # the same records reached the API: state moves, every step's points, events, checkpoints
+    states = [b["state"] for p, b, _ in api.received if p.endswith("/state")]
+    assert states == ["running", "succeeded"]
+    posted_steps = {p["step"] for p in api.points() if p["key"] == "reward/mean"}
+    assert posted_steps == {1, 2, 3}
+    assert any(p.endswith("/checkpoints") for p, _, _ in api.received)
+    assert all(auth == "Bearer run-token" for _, _, auth in api.received)
+
+    # final/ is an HF model directory that transformers loads and that generates
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "final")
+    out = model.generate(**tok(["3+4="], return_tensors="pt"), max_new_tokens=2, do_sample=False)
+    assert out.shape[1] >= 5
