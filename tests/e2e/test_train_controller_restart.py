@@ -8,15 +8,12 @@ import signal
 
 import pytest
 
-from tests.e2e.trainer_helpers import (  # noqa: F401  (fixtures)
-    nano_model,
-    ray_head,
-    read_events,
-    read_metrics,
-    read_summary,
-    tiny_config,
-)
+from tests.e2e import trainer_helpers as helpers
+from tests.e2e.trainer_helpers import read_events, read_metrics, read_summary, tiny_config
 from trainer.entry import run_training
+
+ray_head = helpers.ray_head  # fixtures shared by the trainer's e2e tests
+nano_model = helpers.nano_model
 
 
 @pytest.mark.slow

@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.trainer_helpers import (  # noqa: F401  (fixtures)
-    nano_model,
-    ray_head,
-    read_events,
-    read_metrics,
-    read_summary,
-    tiny_config,
-)
+from tests.e2e import trainer_helpers as helpers
+from tests.e2e.trainer_helpers import read_events, read_metrics, read_summary, tiny_config
 from tests.unit.test_telemetry import FakeApi, free_port, wait_for
 from trainer.entry import run_training
 
@@ -26,6 +20,9 @@ STEP_KEYS = [
     "grad_norm", "lr", "response/length_mean", "response/length_max",
     "sampling/valid_fraction", "sampling/oversample_ratio",
 ]
+
+ray_head = helpers.ray_head  # fixtures shared by the trainer's e2e tests
+nano_model = helpers.nano_model
 
 
 @pytest.mark.slow
