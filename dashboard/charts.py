@@ -59,7 +59,6 @@ _DEVICE_KEY = re.compile(r"^device/(\d+)/(.+)$")
 # (title, key prefix, y-axis title), in the order a person scans a run: is it fast, is the
 # hardware busy, is it learning.
 _PREFIX_PANELS: tuple[tuple[str, str, str], ...] = (
-    ("Throughput", "throughput/", "per second"),
     ("Reward", "reward/", "reward"),
     ("KL", "kl/", "KL"),
     ("Losses", "loss/", "loss"),
@@ -88,8 +87,12 @@ def metric_panels(keys: Iterable[str]) -> list[Panel]:
         if m:
             device_metrics[m.group(2)].append(key)
     used: set[str] = set()
-    for title, prefix, y_title in _PREFIX_PANELS[:1]:  # throughput first
-        panels += _prefix_panel(remaining, used, title, prefix, y_title)
+    # throughput first; tokens/s and samples/s differ by ~100x, so each unit gets its chart
+    tokens = [k for k in remaining if k.startswith("throughput/") and "token" in k]
+    panels += _prefix_panel(tokens, used, "Throughput (tokens/s)", "throughput/", "tokens/s")
+    samples = [k for k in remaining if k.startswith("throughput/") and "sample" in k]
+    panels += _prefix_panel(samples, used, "Throughput (samples/s)", "throughput/", "samples/s")
+    panels += _prefix_panel(remaining, used, "Throughput", "throughput/", "per second")
     for title, metric, y_title in _DEVICE_PANELS:
         keys_here = device_metrics.pop(metric, [])
         if keys_here:
@@ -103,7 +106,7 @@ def metric_panels(keys: Iterable[str]) -> list[Panel]:
         labels = {k: f"device {_DEVICE_KEY.match(k).group(1)}" for k in keys_here}  # type: ignore[union-attr]
         panels.append(Panel(f"Device {metric.replace('_', ' ')}", keys_here, labels))
         used.update(keys_here)
-    for title, prefix, y_title in _PREFIX_PANELS[1:]:
+    for title, prefix, y_title in _PREFIX_PANELS:
         panels += _prefix_panel(remaining, used, title, prefix, y_title)
     for key in remaining:
         if key not in used:
@@ -219,6 +222,7 @@ def gantt_figure(
     *,
     last_steps: int | None = None,
     height: int | None = None,
+    title: str = "Phase timeline",
 ) -> go.Figure:
     """Per-device phase timeline: one row per device, one bar per span, gaps are idle time.
 
@@ -232,7 +236,7 @@ def gantt_figure(
         shown = [s for s in shown if s["step"] in keep]
     fig = go.Figure()
     if not shown:
-        _style(fig, "Phase timeline", x_title="seconds", y_title="", height=height or 160)
+        _style(fig, title, x_title="seconds", y_title="", height=height or 160, unified=False)
         return fig
     t0 = min(s["start"] for s in shown)
     devices = sorted({s["device"] for s in shown})
@@ -259,9 +263,11 @@ def gantt_figure(
             )
         )
     rows = [f"device {d}" for d in devices]
-    _style(fig, "Phase timeline", x_title="seconds", y_title="",
-           height=height or max(180, 70 + 44 * len(devices)))
-    fig.update_layout(barmode="overlay", bargap=0.25)
+    _style(fig, title, x_title="seconds since the first span shown", y_title="",
+           height=height or max(180, 70 + 44 * len(devices)), unified=False)
+    fig.update_layout(barmode="overlay", bargap=0.25,
+                      legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1,
+                              "xanchor": "right"})
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(rows)))
     return fig
 
@@ -309,13 +315,15 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _style(fig: go.Figure, title: str, *, x_title: str, y_title: str, height: int) -> None:
+def _style(
+    fig: go.Figure, title: str, *, x_title: str, y_title: str, height: int, unified: bool = True
+) -> None:
     fig.update_layout(
         title={"text": title, "x": 0, "xanchor": "left", "font": {"size": 15}},
         height=height,
         margin={"l": 10, "r": 10, "t": 40, "b": 10},
         legend={"orientation": "h", "y": -0.25, "x": 0},
-        hovermode="x unified" if x_title != "seconds" else "closest",
+        hovermode="x unified" if unified else "closest",
     )
     fig.update_xaxes(title_text=x_title)
     fig.update_yaxes(title_text=y_title)

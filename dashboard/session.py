@@ -89,7 +89,7 @@ def show_api_error(exc: api.ApiError, doing: str) -> None:
         st.error(f"Could not {doing}: {exc.status} {exc.message}")
 
 
-_PAGES = Path(__file__).parent / "pages"
+_PAGES = Path(__file__).parent / "views"
 
 
 def open_run(run_id: int) -> None:

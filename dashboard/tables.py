@@ -24,6 +24,7 @@ __all__ = [
     "ClusterView",
     "cluster_tables",
     "summary_value",
+    "RunEvents",
 ]
 
 ACTIVE_STATES = frozenset({"queued", "starting", "running", "cancelling"})
@@ -153,10 +154,11 @@ def _experiment_name(run: Mapping[str, Any]) -> str:
 
 
 def summary_value(run: Mapping[str, Any], key: str) -> float | None:
-    """The run's summary value for a metric key, whether the summary holds numbers or
-    `{"latest", "min", "max"}` records."""
-    summary = run.get("summary") or run.get("summary_metrics") or {}
-    value = summary.get(key)
+    """The run's value for a metric key: the latest reported point (`metrics`, present when the
+    listing was asked for that key), else the trainer's final summary."""
+    value = (run.get("metrics") or {}).get(key)
+    if value is None:
+        value = (run.get("summary") or {}).get(key)
     if isinstance(value, Mapping):
         value = value.get("latest", value.get("last"))
     return float(value) if isinstance(value, int | float) else None
@@ -237,3 +239,44 @@ def _figure(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"
     return str(value)
+
+
+@dataclass
+class RunEvents:
+    """A run's events as read so far, fetched incrementally by id.
+
+    Text events are all kept; `phase_spans` events are kept for the newest `keep_steps` steps
+    only, so a long run's timeline stays small in memory and cheap to draw.
+    """
+
+    keep_steps: int = 50
+    last_id: int = 0
+    text: list[dict[str, Any]] = field(default_factory=list)
+    span_events: list[dict[str, Any]] = field(default_factory=list)
+
+    def absorb(self, events: Iterable[Mapping[str, Any]]) -> int:
+        """Add newly fetched events (in id order); returns how many were new."""
+        n = 0
+        for e in events:
+            if int(e.get("id", 0)) <= self.last_id:
+                continue
+            self.last_id = int(e["id"])
+            n += 1
+            if e.get("kind") == "phase_spans":
+                self.span_events.append(dict(e))
+            else:
+                self.text.append(dict(e))
+        if n and self.span_events:
+            self._trim()
+        return n
+
+    def _trim(self) -> None:
+        steps = sorted({int(s.get("step", -1)) for e in self.span_events
+                        for s in (e.get("data") or {}).get("spans") or []})
+        if len(steps) <= self.keep_steps:
+            return
+        floor = steps[-self.keep_steps]
+        self.span_events = [
+            e for e in self.span_events
+            if any(int(s.get("step", -1)) >= floor for s in (e.get("data") or {}).get("spans") or [])
+        ]

@@ -26,6 +26,7 @@ from dashboard.launch_form import (
     set_path,
 )
 from dashboard.tables import (
+    RunEvents,
     config_diff,
     event_rows,
     flatten,
@@ -33,6 +34,7 @@ from dashboard.tables import (
     launched_by,
     metrics_csv,
     run_rows,
+    summary_value,
 )
 
 
@@ -46,14 +48,16 @@ def test_metric_panels_groups_every_key_once_in_reading_order() -> None:
     ]
     panels = metric_panels(keys)
     titles = [p.title for p in panels]
-    assert titles[:3] == ["Throughput", "Device utilization", "Device memory"]
-    assert titles[3:9] == ["Reward", "KL", "Losses", "Response length", "Dynamic sampling",
-                           "Time per phase"]
-    assert titles[9:] == ["entropy", "lr"]
-    util = panels[1]
+    assert titles[:4] == ["Throughput (tokens/s)", "Throughput (samples/s)", "Device utilization",
+                          "Device memory"]
+    assert titles[4:10] == ["Reward", "KL", "Losses", "Response length", "Dynamic sampling",
+                            "Time per phase"]
+    assert titles[10:] == ["entropy", "lr"]
+    assert panels[1].keys == ["throughput/samples_per_s"]
+    util = panels[2]
     assert util.keys == ["device/0/util_pct", "device/1/util_pct", "device/10/util_pct"]
     assert [util.label(k) for k in util.keys] == ["device 0", "device 1", "device 10"]
-    assert panels[0].label("throughput/samples_per_s") == "samples_per_s"
+    assert panels[1].label("throughput/samples_per_s") == "samples_per_s"
     drawn = [k for p in panels for k in p.keys]
     assert len(drawn) == len(set(drawn))
     # the memory ceiling is a constant, not a chart of its own
@@ -172,12 +176,15 @@ def test_run_rows_flatten_runs_for_the_history_table() -> None:
         "id": 7, "name": "demo", "experiment": "arith", "state": "running", "attempt": 2,
         "tags": ["a", "b"], "created_at": "2026-01-01T11:59:00Z",
         "started_at": "2026-01-01T12:00:00+00:00", "finished_at": None,
-        "summary": {"reward/mean": {"latest": 0.5, "min": 0.1, "max": 0.6}},
+        "metrics": {"reward/mean": {"latest": 0.5, "min": 0.1, "max": 0.6, "step": 3}},
+        "summary": {"reward/mean": 0.4},
     }]
     [row] = run_rows(runs, metric="reward/mean", now=now)
     assert row["id"] == 7 and row["attempt"] == 2 and row["tags"] == "a, b"
     assert row["duration"] == "10s"
-    assert row["reward/mean"] == 0.5
+    assert row["reward/mean"] == 0.5  # the latest point wins over the final summary
+    assert summary_value({"summary": {"reward/mean": 0.4}}, "reward/mean") == 0.4
+    assert summary_value({"metrics": {}, "summary": None}, "reward/mean") is None
     assert row["created"] == datetime(2026, 1, 1, 11, 59, tzinfo=UTC)
     assert format_duration(3725) == "1h 2m 5s" and format_duration(None) == "—"
 
@@ -240,3 +247,18 @@ def test_errors_by_field_puts_errors_beside_their_fields() -> None:
     ])
     assert beside == {"train.max_steps": ["Input should be greater than or equal to 1"]}
     assert [p for p, _ in rest] == ["reward", ""]
+
+
+def test_run_events_fetch_incrementally_and_keep_recent_spans() -> None:
+    log = RunEvents(keep_steps=2)
+    batch = [{"id": 1, "kind": "placement", "message": "colocate", "data": {}}] + [
+        {"id": 2 + step, "kind": "phase_spans", "message": "",
+         "data": {"spans": [{"device": 0, "phase": "train", "start": step, "end": step + 0.5,
+                             "step": step}]}}
+        for step in range(4)
+    ]
+    assert log.absorb(batch) == 5
+    assert log.absorb(batch[:2]) == 0  # already seen
+    assert log.last_id == 5
+    assert [e["kind"] for e in log.text] == ["placement"]
+    assert [s["step"] for s in phase_spans(log.span_events)] == [2, 3]

@@ -53,11 +53,15 @@ filters: dict[str, Any] = {
     "q": search.strip() or None,
 }
 if isinstance(days, tuple) and days:
-    filters["since"] = datetime.combine(days[0], time.min, tzinfo=UTC).isoformat()
-    if len(days) > 1:
-        filters["until"] = datetime.combine(days[1], time.max, tzinfo=UTC).isoformat()
-filters["sort"] = (("-" if descending else "") + metric.strip()) if metric.strip() else SORTS.get(
-    sort, "-created_at")
+    filters["created_since"] = datetime.combine(days[0], time.min, tzinfo=UTC).isoformat()
+    if len(days) > 1:  # the whole last day
+        filters["created_until"] = datetime.combine(days[1] + timedelta(days=1), time.min,
+                                                    tzinfo=UTC).isoformat()
+if metric.strip():
+    filters["sort"] = ("-" if descending else "") + metric.strip()
+    filters["metrics"] = metric.strip()
+else:
+    filters["sort"] = SORTS.get(sort, "-created_at")
 
 # Cursor pagination: remember the cursors of pages already visited; new filters start over.
 signature = repr(sorted(filters.items()))

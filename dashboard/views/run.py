@@ -17,6 +17,7 @@ from dashboard.charts import gantt_figure, line_figure, metric_panels, phase_sha
 from dashboard.tables import (
     ACTIVE_STATES,
     TERMINAL_STATES,
+    RunEvents,
     event_rows,
     format_duration,
     launched_by,
@@ -26,6 +27,7 @@ from dashboard.tables import (
 
 REFRESH_S = 2.0
 MAX_POINTS = 800  # per series: plenty for a chart ~1,000 px wide, cheap for any run length
+EVENTS_PAGE = 5000
 STATE_COLORS = {"queued": "gray", "starting": "blue", "running": "blue", "cancelling": "orange",
                 "succeeded": "green", "failed": "red", "cancelled": "orange"}
 
@@ -84,10 +86,11 @@ def _header(run: dict[str, Any]) -> None:
         st.write(run["description"])
 
 
-def _buttons(run: dict[str, Any]) -> None:
+def _buttons(run: dict[str, Any]) -> str:
+    """Cancel / retry, the CSV download and the x-axis choice, in one row; returns the x axis."""
     state = run["state"]
-    cols = st.columns([1, 1, 6])
-    if state in {"queued", "starting", "running"} and cols[0].button(
+    row = st.container(horizontal=True, vertical_alignment="center")
+    if state in {"queued", "starting", "running"} and row.button(
         "Cancel run", icon=":material/cancel:", key="cancel"
     ):
         try:
@@ -96,17 +99,29 @@ def _buttons(run: dict[str, Any]) -> None:
             st.rerun(scope="app")
         except api.ApiError as exc:
             session.show_api_error(exc, "cancel the run")
-    if state == "failed" and cols[1].button("Retry run", icon=":material/replay:", key="retry"):
+    if state == "failed" and row.button("Retry run", icon=":material/replay:", key="retry"):
         try:
             api.retry_run(c, run["id"])
             st.toast(f"Run #{run['id']} queued again")
             st.rerun(scope="app")
         except api.ApiError as exc:
             session.show_api_error(exc, "retry the run")
+    row.download_button(
+        "Metrics as CSV",
+        data=lambda: metrics_csv(api.all_metrics(c, run["id"])),
+        file_name=f"run-{run['id']}-metrics.csv",
+        mime="text/csv",
+        icon=":material/download:",
+        key="csv",
+    )
+    x = row.segmented_control("x axis", ["step", "time"], default="step", key="x_axis",
+                              help="Chart metrics against the training step or wall time.")
+    return x or "step"
 
 
 def _summary_row(keys: list[dict[str, Any]]) -> None:
     latest = {k["key"]: k.get("latest") for k in keys}
+    latest["step"] = max((k.get("latest_step") or 0) for k in keys)
     wanted = [
         ("step", "step"),
         ("throughput/generated_tokens_per_s", "tokens/s"),
@@ -136,32 +151,48 @@ def _charts(run_id: int, x: str) -> None:
                             config={"displaylogo": False})
 
 
-def _timeline(run_id: int) -> None:
-    spans = phase_spans(api.events(c, run_id, kind="phase_spans"))
+def _run_events(run_id: int) -> RunEvents:
+    """The run's events, fetched since the last refresh only (kept in the browser session)."""
+    cache: dict[int, RunEvents] = st.session_state.setdefault("run_events", {})
+    log = cache.setdefault(run_id, RunEvents())
+    while True:
+        new = api.events(c, run_id, after_id=log.last_id, limit=EVENTS_PAGE)
+        log.absorb(new)
+        if len(new) < EVENTS_PAGE:
+            return log
+
+
+def _timeline(log: RunEvents) -> None:
+    spans = phase_spans(log.span_events)
     if not spans:
         st.caption("No phase timeline yet (the trainer reports `phase_spans` after each step).")
         return
     steps = sorted({s["step"] for s in spans})
     last = st.session_state.get("gantt_steps", 3)
-    st.plotly_chart(gantt_figure(spans, last_steps=last), key="gantt",
+    st.plotly_chart(gantt_figure(spans, last_steps=last, title=""), key="gantt",
                     config={"displaylogo": False})
     shown = [s for s in spans if s["step"] in set(steps[-last:])]
     share = pd.DataFrame(phase_share(shown))
     if not share.empty:
+        st.caption("Seconds per phase and idle share of each device over the steps shown: "
+                   "a balanced placement keeps every device's idle share low.")
+        share = share.rename(columns={"busy_s": "busy (s)", "idle_pct": "idle (%)"})
         st.dataframe(share.set_index("device"), width="stretch",
                      column_config={c_: st.column_config.NumberColumn(format="%.2f")
                                     for c_ in share.columns if c_ != "device"})
 
 
-def _activity(run: dict[str, Any]) -> None:
+def _activity(run: dict[str, Any], log: RunEvents) -> None:
     run_id = run["id"]
-    tab_events, tab_logs, tab_ckpt, tab_attempts = st.tabs(
-        ["Events", "Logs", "Checkpoints", "Attempts"]
+    tab_events, tab_logs, tab_ckpt, tab_attempts, tab_config = st.tabs(
+        ["Events", "Logs", "Checkpoints", "Attempts", "Config"]
     )
     with tab_events:
-        rows = event_rows(api.events(c, run_id))
+        rows = event_rows(log.text)
         if rows:
-            st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+            st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
+                         column_config={"time": st.column_config.DatetimeColumn(
+                             "time (UTC)", format="YYYY-MM-DD HH:mm:ss")})
         else:
             st.caption("No events yet.")
     with tab_logs:
@@ -169,7 +200,7 @@ def _activity(run: dict[str, Any]) -> None:
             text = api.logs(c, run_id)
         except api.ApiError as exc:
             text = ""
-            st.caption(f"Logs unavailable: {exc.message}")
+            st.caption(f"No logs to show ({exc.status}: {exc.message}).")
         lines = text.splitlines()[-200:]
         st.code("\n".join(lines) or "(no log output yet)", language=None)
     with tab_ckpt:
@@ -182,11 +213,15 @@ def _activity(run: dict[str, Any]) -> None:
         else:
             st.caption("No checkpoints yet.")
     with tab_attempts:
-        attempts = run.get("attempts") if isinstance(run.get("attempts"), list) else None
+        attempts = api.attempts(c, run_id)
+        st.caption(f"Attempt {run.get('attempt', 1)} of at most {run.get('max_attempts', 1)}.")
         if attempts:
             st.dataframe(pd.DataFrame(attempts), hide_index=True, width="stretch")
-        else:
-            st.caption(f"Attempt {run.get('attempt', 1)} of {run.get('max_attempts', 1)}.")
+    with tab_config:
+        st.code(yaml.safe_dump(run.get("config") or {}, sort_keys=False), language="yaml")
+        if run.get("package_versions"):
+            st.caption("Package versions")
+            st.json(run["package_versions"], expanded=False)
 
 
 run_id = _pick_run()
@@ -212,16 +247,15 @@ def live() -> None:
     if active and run["state"] in TERMINAL_STATES:
         st.rerun(scope="app")  # the run ended: redraw once, without the timer
     _header(run)
-    _buttons(run)
-    x = st.segmented_control("x axis", ["step", "time"], default="step", key="x_axis",
-                             label_visibility="collapsed") or "step"
+    x = _buttons(run)
     try:
         _charts(run_id, x)
         st.subheader("Phase timeline")
         st.slider("Steps shown", 1, 20, 3, key="gantt_steps",
                   help="The newest steps; gaps between bars are idle time.")
-        _timeline(run_id)
-        _activity(run)
+        log = _run_events(run_id)
+        _timeline(log)
+        _activity(run, log)
     except api.ApiError as exc:
         session.show_api_error(exc, "load the run's data")
     if active:
@@ -229,19 +263,3 @@ def live() -> None:
 
 
 live()
-
-st.subheader("Config")
-cfg_col, dl_col = st.columns([4, 1])
-with cfg_col:
-    st.code(yaml.safe_dump(first.get("config") or {}, sort_keys=False), language="yaml")
-with dl_col:
-    st.download_button(
-        "Metrics as CSV",
-        data=lambda: metrics_csv(api.all_metrics(c, run_id)),
-        file_name=f"run-{run_id}-metrics.csv",
-        mime="text/csv",
-        icon=":material/download:",
-    )
-    if first.get("package_versions"):
-        with st.expander("Package versions"):
-            st.json(first["package_versions"])

@@ -1,0 +1,226 @@
+"""A live yatt API seeded with runs for the dashboard's tests (AppTest and the real browser).
+
+The API runs in a subprocess (uvicorn on a free port) against a fresh PostgreSQL database,
+API-only (`YATT_DISPATCH=false`: nothing is dispatched, so runs stay where the seed puts them).
+Every run, metric point, event and state move is made over HTTP through `YattClient`, with an
+admin token, exactly as the trainer and the dispatcher would send them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backend.client import YattClient
+from tests.stack import create_pg_database, drop_pg_database, free_port
+
+BIG_RUN_POINTS = 200_000
+DEVICES = 2
+
+
+@dataclass
+class SeededApi:
+    url: str
+    token: str  # admin of project "dash"
+    read_token: str
+    runs: dict[str, int] = field(default_factory=dict)  # role in the seed -> run id
+
+
+def _token(db_url: str, project: str, role: str) -> str:
+    from backend.auth import service
+    from backend.auth.models import Role
+    from backend.db import Database
+
+    db = Database(db_url)
+    try:
+        with db.session() as s:
+            proj = service.get_or_create_project(db_session=s, name=project)
+            _, value = service.create_token(db_session=s, project_id=proj.id, name=f"dash-{role}",
+                                            role=Role(role))
+        return value
+    finally:
+        db.dispose()
+
+
+@dataclass
+class _Api:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+
+def _start_api(root: Path, db_url: str) -> _Api:
+    port = free_port()
+    env = {**os.environ, "YATT_DATABASE_URL": db_url, "YATT_DATA_DIR": str(root / "data"),
+           "YATT_DISPATCH": "false", "YATT_API_URL": f"http://127.0.0.1:{port}"}
+    env.pop("YATT_TOKEN", None)
+    env.pop("YATT_RAY_ADDRESS", None)  # no Ray here: /cluster says so
+    log = open(root / "api.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "backend.app:create_app", "--factory",
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"API exited: {(root / 'api.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return _Api(proc, url)
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("API did not start")
+        time.sleep(0.2)
+
+
+def _step_metrics(step: int, t: float) -> list[dict[str, Any]]:
+    """The metrics a trainer step reports (DESIGN.md §3.7), with plausible shapes."""
+    reward = 0.2 + 0.6 * (1 - math.exp(-step / 15))
+    values = {
+        "throughput/generated_tokens_per_s": 2800 + 300 * math.sin(step / 3),
+        "throughput/samples_per_s": 15 + math.sin(step / 4),
+        "reward/mean": reward,
+        "reward/std": 0.3 - 0.1 * reward,
+        "kl/mean": 0.001 * step,
+        "loss/policy": -0.05 + 0.02 * math.cos(step),
+        "loss/total": 0.1 / (1 + step / 10),
+        "response/length_mean": 6 + math.sin(step / 5),
+        "sampling/valid_fraction": 0.7 + 0.2 * math.sin(step / 7),
+        "time/rollout": 1.2, "time/train": 0.8, "entropy": 1.5 - step / 100,
+    }
+    for d in range(DEVICES):
+        values[f"device/{d}/util_pct"] = 60 + 30 * math.sin(step / 2 + d)
+        values[f"device/{d}/memory_mb"] = 900 + 20 * d + step
+    return [{"key": k, "step": step, "value": v, "time": t} for k, v in values.items()]
+
+
+def _spans(step: int, t0: float) -> dict[str, Any]:
+    spans = []
+    for d in range(DEVICES):
+        t = t0
+        for phase, dur in (("rollout", 1.0 + 0.2 * d), ("reward", 0.15), ("train", 0.7),
+                           ("weight_sync", 0.1)):
+            spans.append({"device": d, "phase": phase, "start": t, "end": t + dur, "step": step})
+            t += dur
+    return {"kind": "phase_spans", "message": f"step {step}", "data": {"spans": spans}}
+
+
+def _report_steps(c: YattClient, run_id: int, steps: int, t0: float) -> None:
+    points: list[dict[str, Any]] = []
+    for step in range(steps):
+        points += _step_metrics(step, t0 + 2.5 * step)
+    c.post_metrics(run_id, points)
+    c.post_events(run_id, [
+        {"kind": "placement", "message": "colocate on 2 devices",
+         "data": {"mode": "colocate", "devices": DEVICES}},
+        *(_spans(step, t0 + 2.5 * step) for step in range(steps)),
+    ])
+    c.post_checkpoint(run_id, step=steps - 1, path=f"runs/{run_id}/checkpoints/step-{steps - 1}",
+                      size_bytes=73_400_320, metrics={"reward/mean": 0.5})
+
+
+def seed(c: YattClient) -> dict[str, int]:
+    """Runs in every state a person meets, one with 200,000 metric points; returns their ids."""
+    t0 = time.time() - 3600
+    cfg = {"train": {"max_steps": 40}, "placement": {"devices": DEVICES}}
+    ids: dict[str, int] = {}
+
+    def new(role: str, **kw: Any) -> int:
+        run = c.create_run(experiment=kw.pop("experiment", "dash-seed"), name=role,
+                           config=kw.pop("config", cfg), **kw)
+        ids[role] = run["id"]
+        return int(run["id"])
+
+    def start(run_id: int) -> None:
+        c.report_state(run_id, "starting")
+        c.report_state(run_id, "running")
+
+    done = new("succeeded", tags=["baseline"], config={**cfg, "train": {"max_steps": 40,
+                                                                        "lr": 5e-5}})
+    start(done)
+    _report_steps(c, done, 30, t0)
+    c.report_state(done, "succeeded", summary={"reward/mean": 0.78})
+
+    failed = new("failed", tags=["ci"], ci={"provider": "gitlab", "commit": "3f2a9c1e77",
+                                           "branch": "main",
+                                           "pipeline_url": "https://ci.example/p/812"})
+    start(failed)
+    _report_steps(c, failed, 5, t0 + 600)
+    c.report_state(failed, "failed", reason="controller 1 died: out of memory at step 5")
+
+    cancelled = new("cancelled")
+    c.cancel_run(cancelled)  # a queued run is cancelled at once
+
+    big = new("big", experiment="dash-big", tags=["long"])
+    start(big)
+    keys = ("reward/mean", "throughput/generated_tokens_per_s")
+    per_key = BIG_RUN_POINTS // len(keys)
+    batch: list[dict[str, Any]] = []
+    for step in range(per_key):
+        for i, key in enumerate(keys):
+            batch.append({"key": key, "step": step,
+                          "value": (1 - math.exp(-step / 20_000)) * (1 + i * 2800)
+                          + 0.05 * math.sin(step / 50),
+                          "time": t0 + step * 0.01})
+        if len(batch) >= 10_000:
+            c.post_metrics(big, batch)
+            batch = []
+    if batch:
+        c.post_metrics(big, batch)
+    c.report_state(big, "succeeded", summary={"reward/mean": 0.99})
+
+    running = new("running", tags=["baseline"])
+    start(running)
+    _report_steps(c, running, 12, time.time() - 30)
+    return ids
+
+
+@dataclass
+class LiveApi:
+    """A started API with a seeded project; `close()` stops it and drops its database."""
+
+    seeded: SeededApi
+    api: _Api
+    db_name: str
+
+    def close(self) -> None:
+        self.api.proc.terminate()
+        try:
+            self.api.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.api.proc.kill()
+            self.api.proc.wait()
+        drop_pg_database(self.db_name)
+
+
+def start_seeded_api(root: Path) -> LiveApi:
+    from backend.migrate import upgrade
+
+    db_url, db_name = create_pg_database("yatt_dash")
+    upgrade(db_url)
+    admin = _token(db_url, "dash", "admin")
+    reader = _token(db_url, "dash", "read")
+    api = _start_api(root, db_url)
+    with YattClient(api.url, admin, timeout=120) as c:
+        ids = seed(c)
+    return LiveApi(SeededApi(api.url, admin, reader, ids), api, db_name)
+
+
+def seeded_api(root: Path) -> Iterator[SeededApi]:
+    """For a pytest fixture: yields the seeded API, then stops it."""
+    live = start_seeded_api(root)
+    try:
+        yield live.seeded
+    finally:
+        live.close()
