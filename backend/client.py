@@ -259,7 +259,7 @@ class YattClient:
             if response.status_code >= 400:
                 response.read()
                 raise _error_of(response)
-            event, data = "message", []
+            event, data = "message", list[str]()
             for line in response.iter_lines():
                 if not line:
                     if data:

@@ -53,7 +53,7 @@ from trainer.config import parse_config
 
 router = APIRouter()
 
-_CONFIG_422 = {
+_CONFIG_422: dict[int | str, dict[str, Any]] = {
     422: {
         "description": "The config (or the body) does not validate; each error names its field path.",
         "content": {
@@ -72,7 +72,7 @@ _CONFIG_422 = {
         },
     }
 }
-_409 = {409: {"description": "Illegal state move; the message names the run's current state."}}
+_409: dict[int | str, dict[str, Any]] = {409: {"description": "Illegal state move; the message names the run's current state."}}
 
 
 def _csv(value: str | None) -> list[str]:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backend.runs.state import RunState
 
-EXAMPLE_CONFIG = {"algorithm": {"name": "grpo"}, "train": {"max_steps": 40}, "seed": 1}
+EXAMPLE_CONFIG: dict[str, Any] = {"algorithm": {"name": "grpo"}, "train": {"max_steps": 40}, "seed": 1}
 
 
 class CIInfo(BaseModel):
@@ -117,7 +117,8 @@ class RunOut(BaseModel):
     @classmethod
     def of(cls, run: Any, metrics: dict[str, dict[str, Any]] | None = None) -> RunOut:
         data = {name: getattr(run, name) for name in cls.model_fields if name not in ("experiment", "metrics")}
-        return cls(**data, experiment=run.experiment.name, metrics=metrics or {})
+        summaries = {k: MetricSummaryOut(**v) for k, v in (metrics or {}).items()}
+        return cls(**data, experiment=run.experiment.name, metrics=summaries)
 
 
 class RunPage(BaseModel):

@@ -487,7 +487,7 @@ def list_runs(
         raise InvalidQuery("sort must name a column or a metric key")
     stmt = select(Run).where(Run.project_id == project_id)
     nullable = False
-    sort_expr: ColumnElement[Any]
+    sort_expr: Any
     if sort_key == "created_at":
         sort_expr = Run.id  # ids grow with creation time
     elif sort_key == "priority":
@@ -551,14 +551,14 @@ def list_runs(
     order += [sort_expr.desc() if desc else sort_expr.asc()]
     if sort_key != "created_at":
         order.append(Run.id.desc() if desc else Run.id.asc())
-    rows = db_session.execute(stmt.order_by(*order).limit(query.limit + 1)).unique().all()
+    rows: list[Any] = list(db_session.execute(stmt.order_by(*order).limit(query.limit + 1)).unique().all())
 
     next_cursor = None
     if len(rows) > query.limit:
         rows = rows[: query.limit]
-        last_run, last_value = rows[-1]
+        last_run, last_value = rows[-1][0], rows[-1][1]
         next_cursor = _encode_cursor(query.sort, int(last_value is None), last_value, last_run.id)
-    runs = [r for r, _ in rows]
+    runs: list[Run] = [row[0] for row in rows]
 
     keys = list(dict.fromkeys(query.metric_keys + ([] if sort_key in SORT_COLUMNS else [sort_key])))
     metrics: dict[int, dict[str, dict[str, Any]]] = {r.id: {} for r in runs}
