@@ -480,6 +480,7 @@ class ControllerLoop:
         rollout_time = max(mine.get("rollout", 0.0),
                            sum(s.end - s.start for s in spans
                                if s.phase == "rollout" and s.device != self.device))
+        out["time/rollout"] = rollout_time  # on this device, or on the rollout workers it feeds from
         out["throughput/gen_tokens_per_s"] = gen_tokens / rollout_time if rollout_time else 0.0
         out["throughput/tokens_per_s"] = gen_tokens / wall
         out["throughput/samples_per_s"] = samples_n / wall
