@@ -106,6 +106,11 @@ def readable_run(run_id: int, principal: CurrentPrincipal, db_session: ReadSessi
 
 def run_writer(run_id: int, principal: CurrentPrincipal, db_session: SessionDep) -> Run:
     """A run whose telemetry the caller may write: its run token, or a write+ token of the project."""
+    return writable_run(run_id=run_id, principal=principal, db_session=db_session)
+
+
+def writable_run(*, run_id: int, principal: Principal, db_session: Session) -> Run:
+    """The run, if `principal` may write its telemetry; 403/404 otherwise."""
     if principal.role is Role.run:
         if principal.run_id != run_id:
             raise HTTPException(status.HTTP_403_FORBIDDEN, f"this run token cannot write run {run_id}")

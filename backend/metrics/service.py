@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import case, func, insert, select, text
+from sqlalchemy import case, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -45,12 +45,12 @@ def ingest(*, db_session: Session, run_id: int, points: Sequence[MetricPointIn])
     if not points:
         return 0
     now = _time.time()
-    rows: list[dict[str, Any]] = []
+    rows: list[tuple[int, str, int, float | None, float]] = []
     stats: dict[str, _KeyStats] = {}
     for p in points:
         value = finite_or_none(p.value)
         t = p.time if p.time is not None else now
-        rows.append({"run_id": run_id, "key": p.key, "step": p.step, "value": value, "time": t})
+        rows.append((run_id, p.key, p.step, value, t))
         s = stats.get(p.key)
         if s is None:
             stats[p.key] = _KeyStats(value, p.step, t, value, value, 1)
@@ -61,12 +61,30 @@ def ingest(*, db_session: Session, run_id: int, points: Sequence[MetricPointIn])
         if value is not None:
             s.min = value if s.min is None else min(s.min, value)
             s.max = value if s.max is None else max(s.max, value)
-    db_session.execute(insert(MetricPoint), rows)
+    _insert_points(db_session, rows)
     _upsert_summaries(
         db_session,
         [{"run_id": run_id, "key": key, **vars(s)} for key, s in stats.items()],
     )
     return len(rows)
+
+
+_COLUMNS = "run_id, key, step, value, time"
+
+
+def _insert_points(db_session: Session, rows: list[tuple[int, str, int, float | None, float]]) -> None:
+    # The hot path of ingest: below the ORM, in the session's transaction. PostgreSQL gets
+    # COPY (several times faster than executemany), SQLite a plain executemany.
+    conn = db_session.connection()
+    if conn.dialect.name == "postgresql":
+        with conn.connection.driver_connection.cursor() as cur:  # type: ignore[union-attr]
+            with cur.copy(f"COPY {MetricPoint.__tablename__} ({_COLUMNS}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+    else:
+        conn.exec_driver_sql(
+            f"INSERT INTO {MetricPoint.__tablename__} ({_COLUMNS}) VALUES (?, ?, ?, ?, ?)", rows
+        )
 
 
 def _upsert_summaries(db_session: Session, rows: list[dict[str, Any]]) -> None:

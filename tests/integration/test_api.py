@@ -272,6 +272,8 @@ def test_non_finite_values_are_stored_as_null(live_api: LiveAPI) -> None:
         r = c.post(f"/runs/{run['id']}/metrics", content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 200, r.text
         series = c.get(f"/runs/{run['id']}/metrics").json()["series"]["kl"]
+        bad = c.post(f"/runs/{run['id']}/metrics", json={"points": [{"step": 1, "value": 1.0}]})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["points", 0, "key"]
     assert [p["value"] for p in series] == [0.5, None, None, None, None]
     (summary,) = live_api.client.metric_keys(run["id"])
     assert summary["latest"] is None and summary["latest_step"] == 5
