@@ -18,8 +18,9 @@ HERE = Path(__file__).parent
 st.set_page_config(page_title="yatt", page_icon=":material/model_training:", layout="wide")
 
 PAGES = {
+    # the default page lives at the root URL
     "history": st.Page(HERE / "views/history.py", title="History", icon=":material/history:",
-                       url_path="history", default=True),
+                       default=True),
     "launch": st.Page(HERE / "views/launch.py", title="Launch", icon=":material/rocket_launch:",
                       url_path="launch"),
     "run": st.Page(HERE / "views/run.py", title="Run", icon=":material/monitoring:",

@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 
 __all__ = [
     "PHASE_COLORS",
+    "LINE_COLORS",
     "Panel",
     "metric_panels",
     "line_figure",
@@ -39,6 +40,9 @@ PHASE_COLORS: dict[str, str] = {
     "checkpoint": "#999999",
 }
 _FALLBACK_COLORS = ("#F0E442", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
+# Lines (devices, runs, keys of one panel): distinct hues, none too dark for a dark theme.
+LINE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#999999",
+               "#F0E442")
 
 
 @dataclass
@@ -138,7 +142,7 @@ def line_figure(
 ) -> go.Figure:
     """One line per key of the panel that has points; x is `step` or `time`."""
     fig = go.Figure()
-    for key in panel.keys:
+    for i, key in enumerate(panel.keys):
         points = series.get(key) or []
         if not points:
             continue
@@ -147,6 +151,8 @@ def line_figure(
                 x=[p[x] for p in points],
                 y=[p["value"] for p in points],
                 mode="lines" if len(points) > 1 else "markers",
+                line={"color": LINE_COLORS[i % len(LINE_COLORS)], "width": 1.6},
+                marker={"color": LINE_COLORS[i % len(LINE_COLORS)]},
                 name=panel.label(key),
                 hovertemplate=f"{panel.label(key)}<br>{x} %{{x}}<br>%{{y:.4g}}<extra></extra>",
             )
@@ -165,7 +171,7 @@ def overlay_figure(
 ) -> go.Figure:
     """One metric, one line per run (Compare page); legend entries are the runs' labels."""
     fig = go.Figure()
-    for label, points in series_by_run.items():
+    for i, (label, points) in enumerate(series_by_run.items()):
         if not points:
             continue
         fig.add_trace(
@@ -173,6 +179,8 @@ def overlay_figure(
                 x=[p[x] for p in points],
                 y=[p["value"] for p in points],
                 mode="lines" if len(points) > 1 else "markers",
+                line={"color": LINE_COLORS[i % len(LINE_COLORS)], "width": 1.6},
+                marker={"color": LINE_COLORS[i % len(LINE_COLORS)]},
                 name=label,
                 hovertemplate=f"{label}<br>{x} %{{x}}<br>%{{y:.4g}}<extra></extra>",
             )

@@ -130,8 +130,9 @@ def _report_steps(c: YattClient, run_id: int, steps: int, t0: float) -> None:
                       size_bytes=73_400_320, metrics={"reward/mean": 0.5})
 
 
-def seed(c: YattClient) -> dict[str, int]:
-    """Runs in every state a person meets, one with 200,000 metric points; returns their ids."""
+def seed(c: YattClient, *, big: bool = True) -> dict[str, int]:
+    """Runs in every state a person meets and (with `big`) one with 200,000 metric points;
+    returns their ids by role ("succeeded", "failed", "cancelled", "big", "running")."""
     t0 = time.time() - 3600
     cfg = {"train": {"max_steps": 40}, "placement": {"devices": DEVICES}}
     ids: dict[str, int] = {}
@@ -162,8 +163,18 @@ def seed(c: YattClient) -> dict[str, int]:
     cancelled = new("cancelled")
     c.cancel_run(cancelled)  # a queued run is cancelled at once
 
-    big = new("big", experiment="dash-big", tags=["long"])
-    start(big)
+    if big:
+        _seed_big_run(c, new("big", experiment="dash-big", tags=["long"]), t0)
+
+    running = new("running", tags=["baseline"])
+    start(running)
+    _report_steps(c, running, 12, time.time() - 30)
+    return ids
+
+
+def _seed_big_run(c: YattClient, run_id: int, t0: float) -> None:
+    c.report_state(run_id, "starting")
+    c.report_state(run_id, "running")
     keys = ("reward/mean", "throughput/generated_tokens_per_s")
     per_key = BIG_RUN_POINTS // len(keys)
     batch: list[dict[str, Any]] = []
@@ -171,19 +182,14 @@ def seed(c: YattClient) -> dict[str, int]:
         for i, key in enumerate(keys):
             batch.append({"key": key, "step": step,
                           "value": (1 - math.exp(-step / 20_000)) * (1 + i * 2800)
-                          + 0.05 * math.sin(step / 50),
+                          + 0.05 * math.sin(step / 5_000),
                           "time": t0 + step * 0.01})
-        if len(batch) >= 10_000:
-            c.post_metrics(big, batch)
+        if len(batch) >= 10_000:  # the API's batch limit
+            c.post_metrics(run_id, batch)
             batch = []
     if batch:
-        c.post_metrics(big, batch)
-    c.report_state(big, "succeeded", summary={"reward/mean": 0.99})
-
-    running = new("running", tags=["baseline"])
-    start(running)
-    _report_steps(c, running, 12, time.time() - 30)
-    return ids
+        c.post_metrics(run_id, batch)
+    c.report_state(run_id, "succeeded", summary={"reward/mean": 0.99})
 
 
 @dataclass
@@ -204,7 +210,7 @@ class LiveApi:
         drop_pg_database(self.db_name)
 
 
-def start_seeded_api(root: Path) -> LiveApi:
+def start_seeded_api(root: Path, *, big: bool = True) -> LiveApi:
     from backend.migrate import upgrade
 
     db_url, db_name = create_pg_database("yatt_dash")
@@ -213,13 +219,13 @@ def start_seeded_api(root: Path) -> LiveApi:
     reader = _token(db_url, "dash", "read")
     api = _start_api(root, db_url)
     with YattClient(api.url, admin, timeout=120) as c:
-        ids = seed(c)
+        ids = seed(c, big=big)
     return LiveApi(SeededApi(api.url, admin, reader, ids), api, db_name)
 
 
-def seeded_api(root: Path) -> Iterator[SeededApi]:
+def seeded_api(root: Path, *, big: bool = True) -> Iterator[SeededApi]:
     """For a pytest fixture: yields the seeded API, then stops it."""
-    live = start_seeded_api(root)
+    live = start_seeded_api(root, big=big)
     try:
         yield live.seeded
     finally:

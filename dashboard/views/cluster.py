@@ -19,6 +19,10 @@ def cluster_view() -> None:
     except api.ApiError as exc:
         session.show_api_error(exc, "read the cluster")
         return
+    if info.get("reachable") is False:
+        st.warning(info.get("error") or "The API sees no Ray cluster: device numbers are unknown. "
+                   "Set YATT_RAY_ADDRESS for the API, or start everything with `yatt up`.",
+                   icon=":material/cloud_off:")
     view = cluster_tables(info)
     if view.capacity:
         for col, (label, value) in zip(st.columns(len(view.capacity)), view.capacity.items(),

@@ -46,7 +46,9 @@ short = {rid: f"#{rid} {runs[rid].get('name', '')}".strip() for rid in chosen}
 st.dataframe(pd.DataFrame(run_rows(runs.values())), hide_index=True, width="stretch",
              column_order=["id", "name", "state", "experiment", "attempt", "launched by",
                            "created", "duration", "tags"],
-             column_config={"id": st.column_config.NumberColumn("run", format="#%d")})
+             column_config={"id": st.column_config.NumberColumn("run", format="#%d"),
+                            "created": st.column_config.DatetimeColumn(
+                                "created (UTC)", format="YYYY-MM-DD HH:mm:ss")})
 
 all_keys = sorted(set().union(*keys_by_run.values()))
 st.subheader("Metrics")

@@ -133,7 +133,7 @@ def _summary_row(keys: list[dict[str, Any]]) -> None:
     if not shown:
         return
     for col, (key, label) in zip(st.columns(len(shown)), shown, strict=True):
-        col.metric(label, f"{latest[key]:.4g}")
+        col.metric(label, f"{latest[key]:,}" if key == "step" else f"{latest[key]:.4g}")
 
 
 def _charts(run_id: int, x: str) -> None:
@@ -168,7 +168,8 @@ def _timeline(log: RunEvents) -> None:
         st.caption("No phase timeline yet (the trainer reports `phase_spans` after each step).")
         return
     steps = sorted({s["step"] for s in spans})
-    last = st.session_state.get("gantt_steps", 3)
+    last = st.slider("Steps shown", 1, max(2, min(20, len(steps))), min(3, len(steps)),
+                     key="gantt_steps", help="The newest steps; gaps between bars are idle time.")
     st.plotly_chart(gantt_figure(spans, last_steps=last, title=""), key="gantt",
                     config={"displaylogo": False})
     shown = [s for s in spans if s["step"] in set(steps[-last:])]
@@ -251,8 +252,6 @@ def live() -> None:
     try:
         _charts(run_id, x)
         st.subheader("Phase timeline")
-        st.slider("Steps shown", 1, 20, 3, key="gantt_steps",
-                  help="The newest steps; gaps between bars are idle time.")
         log = _run_events(run_id)
         _timeline(log)
         _activity(run, log)
