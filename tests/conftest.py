@@ -66,8 +66,13 @@ class LiveServer:
 
 
 def start_api(database_url: str, data_dir: Path, **settings: Any) -> LiveServer:
-    """Migrate `database_url` and serve the API on a free port in a background thread."""
+    """Migrate `database_url` and serve the API on a free port in a background thread.
+
+    API only by default (`dispatch=False`): runs stay queued unless a test moves them.
+    """
     upgrade(database_url)
+    settings.setdefault("dispatch", False)
+    settings.setdefault("dispatch", False)  # API only: no Celery messages from these servers
     cfg = Settings(data_dir=data_dir, database_url=database_url, stream_poll_s=0.1, **settings)
     database = Database(database_url)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
