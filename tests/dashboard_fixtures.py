@@ -84,7 +84,7 @@ def _start_api(root: Path, db_url: str) -> _Api:
         time.sleep(0.2)
 
 
-def _step_metrics(step: int, t: float) -> list[dict[str, Any]]:
+def step_metrics(step: int, t: float) -> list[dict[str, Any]]:
     """The metrics a trainer step reports (DESIGN.md §3.7), with plausible shapes."""
     reward = 0.2 + 0.6 * (1 - math.exp(-step / 15))
     values = {
@@ -119,7 +119,7 @@ def _spans(step: int, t0: float) -> dict[str, Any]:
 def _report_steps(c: YattClient, run_id: int, steps: int, t0: float) -> None:
     points: list[dict[str, Any]] = []
     for step in range(steps):
-        points += _step_metrics(step, t0 + 2.5 * step)
+        points += step_metrics(step, t0 + 2.5 * step)
     c.post_metrics(run_id, points)
     c.post_events(run_id, [
         {"kind": "placement", "message": "colocate on 2 devices",

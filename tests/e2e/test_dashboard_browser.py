@@ -1,0 +1,90 @@
+"""The run page in a real browser: headless Debian Chromium (Playwright) against `yatt dashboard`
+and a live API with a running run. Saves a full-page screenshot to test-artifacts/."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from backend.client import YattClient
+from tests.dashboard_fixtures import SeededApi, seeded_api, step_metrics
+from tests.e2e.chromium import chromium_missing_reason, launch_browser, running_dashboard
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+SCREENSHOT = ARTIFACTS / "dashboard-run.png"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.postgres,
+    pytest.mark.skipif(chromium_missing_reason() is not None,
+                       reason=chromium_missing_reason() or ""),
+]
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeededApi]:
+    yield from seeded_api(tmp_path_factory.mktemp("dash-browser"), big=False)
+
+
+def test_run_page_draws_live_charts_without_errors(api: SeededApi) -> None:
+    from playwright.sync_api import sync_playwright
+
+    run_id = api.runs["running"]
+    with running_dashboard(api_url=api.url, token=api.token) as url, sync_playwright() as p:
+        browser = launch_browser(p)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{url}/run?run={run_id}")
+            page.get_by_role("heading", name=f"#{run_id} running").wait_for(timeout=60_000)
+            # charts: one plotly div per panel, drawn (an SVG inside) — at least throughput,
+            # device utilization and memory, reward, KL, losses and the phase timeline
+            page.wait_for_function(
+                "() => document.querySelectorAll('.js-plotly-plot .main-svg').length >= 8",
+                timeout=60_000,
+            )
+            page.wait_for_function(  # the phase timeline's bars
+                "() => document.querySelectorAll('.js-plotly-plot .bars path').length > 0",
+                timeout=30_000,
+            )
+            page.wait_for_timeout(1500)  # let the first live refresh land
+            problems = page.query_selector_all(
+                '[data-testid="stException"], [data-testid="stAlertContentError"]'
+            )
+            assert not problems, [el.inner_text() for el in problems]
+            titles = page.eval_on_selector_all(
+                ".js-plotly-plot .gtitle", "els => els.map(e => e.textContent)"
+            )
+            for expected in ("Throughput (tokens/s)", "Device utilization", "Device memory",
+                             "Reward", "KL", "Losses"):
+                assert expected in titles
+            assert page.get_by_role("button", name="Cancel run").is_visible()
+            assert page.get_by_text("refreshing every 2 s").is_visible()
+
+            # live: new steps reported by the "trainer" appear without a reload
+            step_value = page.get_by_test_id("stMetricValue").first
+            assert step_value.inner_text() == "11"
+            with YattClient(api.url, api.token) as c:
+                c.post_metrics(run_id, [p_ for s in (12, 13, 14)
+                                        for p_ in step_metrics(s, time.time())])
+            page.wait_for_function(
+                "() => document.querySelector('[data-testid=\"stMetricValue\"]')"
+                ".textContent.trim() === '14'",
+                timeout=20_000,
+            )
+
+            # Streamlit scrolls inside its main block: grow the viewport to the content so
+            # the full-page screenshot holds the whole page.
+            height = page.evaluate(
+                "() => Math.max(...[...document.querySelectorAll("
+                "'[data-testid=\"stMain\"], body')].map(e => e.scrollHeight))"
+            )
+            page.set_viewport_size({"width": 1400, "height": min(int(height) + 40, 8000)})
+            page.wait_for_timeout(1000)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT), full_page=True)
+        finally:
+            browser.close()
+    assert SCREENSHOT.stat().st_size > 50_000
