@@ -362,3 +362,39 @@ def test_health_and_openapi(live_api: LiveAPI) -> None:
                  "/api/v1/runs/validate", "/api/v1/experiments", "/api/v1/tokens", "/api/v1/projects"):
         assert path in spec["paths"], path
     assert "examples" in json.dumps(spec["components"]["schemas"]["RunCreate"])
+
+
+def test_concurrent_writers_do_not_trip_over_each_other(live_api: LiveAPI) -> None:
+    """The API, the worker and several reporters write at once (SQLite: WAL + busy timeout)."""
+    runs = [new_run(live_api) for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def reporter(run: dict[str, Any]) -> None:
+        try:
+            with http(live_api, token=run_token(live_api, run)) as c:
+                for batch in range(10):
+                    pts = [{"key": f"k{i % 4}", "step": batch * 100 + i, "value": float(i)} for i in range(400)]
+                    assert c.post(f"/runs/{run['id']}/metrics", json={"points": pts}).status_code == 200
+                    assert c.post(f"/runs/{run['id']}/events", json={"events": [{"kind": "eval"}]}).status_code == 200
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    def dispatcher() -> None:
+        try:
+            for _ in range(10):
+                new_run(live_api, experiment="other")
+                with live_api.database.session() as s:
+                    run_service.queued_runs(db_session=s)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reporter, args=(r,)) for r in runs] + [threading.Thread(target=dispatcher)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for run in runs:
+        keys = live_api.client.metric_keys(run["id"])
+        assert sum(k["count"] for k in keys) == 4_000 and {k["latest_step"] for k in keys} == {1296, 1297, 1298, 1299}
+        assert len(live_api.client.events(run["id"], kind="eval")) == 10
