@@ -41,7 +41,7 @@ PHASE_COLORS: dict[str, str] = {
 }
 _FALLBACK_COLORS = ("#F0E442", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
 # Lines (devices, runs, keys of one panel): distinct hues, none too dark for a dark theme.
-LINE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#999999",
+LINE_COLORS = ("#3A8FD9", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#999999",
                "#F0E442")
 
 

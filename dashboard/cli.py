@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,9 +38,8 @@ def register(app: typer.Typer) -> None:
         env = dict(os.environ)
         if api_url:
             env["YATT_API_URL"] = api_url
-        typer.echo(f"dashboard: http://{host}:{port}  (API {env.get('YATT_API_URL', 'default')})")
-        try:
-            code = subprocess.call(dashboard_command(port=port, host=host), env=env)
-        except KeyboardInterrupt:
-            code = 0
-        raise typer.Exit(code)
+        typer.echo(f"dashboard: http://{host}:{port}  (API {env.get('YATT_API_URL', 'default')})",
+                   err=True)
+        command = dashboard_command(port=port, host=host)
+        # Become Streamlit, so signals (Ctrl-C, a supervisor's SIGTERM) reach the server itself.
+        os.execve(command[0], command, env)

@@ -36,7 +36,7 @@ with st.container(border=True):
     row2 = st.columns([3, 2, 2, 1])
     search = row2[0].text_input("Search name and description", key="f_q")
     today = date.today()
-    days = row2[1].date_input("Created between", value=(), key="f_dates",
+    days = row2[1].date_input("Created between", value=[], key="f_dates",
                               max_value=today + timedelta(days=1))
     sort = row2[2].selectbox("Sort by", [*SORTS, "summary metric"], key="f_sort")
     metric = ""

@@ -43,10 +43,11 @@ base, yaml_error = parse_yaml(yaml_text)
 if yaml_error:
     st.error(yaml_error)
     st.stop()
-assert base is not None
+assert base is not None  # st.stop() ended the script otherwise
+config_base: dict[str, Any] = base
 
 def _widget(f: FormField, key: str) -> Any:
-    value = field_value(base, f.path)
+    value = field_value(config_base, f.path)
     if f.kind == "select":
         options = list(f.options)
         return st.selectbox(f.label, options, index=options.index(value) if value in options

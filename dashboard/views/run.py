@@ -225,9 +225,11 @@ def _activity(run: dict[str, Any], log: RunEvents) -> None:
             st.json(run["package_versions"], expanded=False)
 
 
-run_id = _pick_run()
-if run_id is None:
+picked = _pick_run()
+if picked is None:
     st.stop()
+assert picked is not None  # st.stop() ended the script otherwise
+run_id: int = picked
 
 try:
     first = api.get_run(c, run_id)

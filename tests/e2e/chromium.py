@@ -7,9 +7,9 @@ browser that `make browser` installs with apt-get.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,14 +54,15 @@ def free_port() -> int:
 @contextmanager
 def running_dashboard(*, api_url: str, token: str, port: int | None = None,
                       timeout_s: float = 60.0) -> Iterator[str]:
-    """Serve the dashboard with `yatt dashboard`'s command line; yields its base URL."""
-    from dashboard.cli import dashboard_command
-
+    """Serve the dashboard with `yatt dashboard --port P --api-url U`; yields its base URL."""
     port = port or free_port()
-    env = {**os.environ, "YATT_API_URL": api_url, "YATT_TOKEN": token}
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"yatt-dashboard-{port}.log", "w")
-    proc = subprocess.Popen(dashboard_command(port=port), env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    env = {**os.environ, "YATT_TOKEN": token}
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"yatt-dashboard-{port}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backend.cli", "dashboard", "--port", str(port),
+         "--api-url", api_url],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -85,7 +86,3 @@ def running_dashboard(*, api_url: str, token: str, port: int | None = None,
             proc.kill()
             proc.wait()
         log.close()
-
-
-def which_chromium() -> str | None:
-    return shutil.which("chromium")
