@@ -172,20 +172,21 @@ def series(
             )
             out[key] = _points(rows)
         else:
-            lo, hi = db_session.execute(select(func.min(mp.step), func.max(mp.step)).where(*where)).one()
+            # two index seeks; SQLite would scan the whole series for min() and max() together
+            lo = db_session.execute(select(mp.step).where(*where).order_by(mp.step).limit(1)).scalar_one()
+            last = db_session.execute(
+                select(mp.step, mp.value, mp.time)
+                .where(*where)
+                .order_by(mp.step.desc())
+                .limit(1)
+            ).one()
             n = max(1, max_points - 1)
             sampled = _points(
                 db_session.execute(
                     _SAMPLE_SQL,
-                    {"n": n, "run_id": run_id, "key": key, "lo": lo, "span": hi - lo + 1},
+                    {"n": n, "run_id": run_id, "key": key, "lo": lo, "span": last[0] - lo + 1},
                 )
             )
-            last = db_session.execute(
-                select(mp.step, mp.value, mp.time)
-                .where(*where)
-                .order_by(mp.step.desc(), mp.id.desc())
-                .limit(1)
-            ).one()
             if not sampled or sampled[-1]["step"] != last[0]:
                 sampled.append({"step": last[0], "value": last[1], "time": last[2]})
             out[key] = sampled[:max_points]
