@@ -1,27 +1,20 @@
-"""A live yatt API seeded with runs for the dashboard's tests (AppTest and the real browser).
+"""Runs to look at, for the dashboard's tests (AppTest and the real browser).
 
-The API runs in a subprocess (uvicorn on a free port) against a fresh PostgreSQL database,
-API-only (`YATT_DISPATCH=false`: nothing is dispatched, so runs stay where the seed puts them).
-Every run, metric point, event and state move is made over HTTP through `YattClient`, with an
-admin token, exactly as the trainer and the dispatcher would send them.
+The API is the live one of tests/conftest.py (`start_api`: API only, so nothing is dispatched
+and runs stay where the seed puts them). Every run, metric point, event and state move is made
+over HTTP through `YattClient` with an admin token, as the trainer and the dispatcher send them.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
+import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import httpx
-
 from backend.client import YattClient
-from tests.stack import create_pg_database, drop_pg_database, free_port
+from tests.conftest import LiveServer
 
 BIG_RUN_POINTS = 200_000
 DEVICES = 2
@@ -30,58 +23,9 @@ DEVICES = 2
 @dataclass
 class SeededApi:
     url: str
-    token: str  # admin of project "dash"
+    token: str  # admin of the seeded project
     read_token: str
     runs: dict[str, int] = field(default_factory=dict)  # role in the seed -> run id
-
-
-def _token(db_url: str, project: str, role: str) -> str:
-    from backend.auth import service
-    from backend.auth.models import Role
-    from backend.db import Database
-
-    db = Database(db_url)
-    try:
-        with db.session() as s:
-            proj = service.get_or_create_project(db_session=s, name=project)
-            _, value = service.create_token(db_session=s, project_id=proj.id, name=f"dash-{role}",
-                                            role=Role(role))
-        return value
-    finally:
-        db.dispose()
-
-
-@dataclass
-class _Api:
-    proc: subprocess.Popen[bytes]
-    url: str
-
-
-def _start_api(root: Path, db_url: str) -> _Api:
-    port = free_port()
-    env = {**os.environ, "YATT_DATABASE_URL": db_url, "YATT_DATA_DIR": str(root / "data"),
-           "YATT_DISPATCH": "false", "YATT_API_URL": f"http://127.0.0.1:{port}"}
-    env.pop("YATT_TOKEN", None)
-    env.pop("YATT_RAY_ADDRESS", None)  # no Ray here: /cluster says so
-    log = open(root / "api.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "backend.app:create_app", "--factory",
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"API exited: {(root / 'api.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return _Api(proc, url)
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("API did not start")
-        time.sleep(0.2)
 
 
 def step_metrics(step: int, t: float) -> list[dict[str, Any]]:
@@ -192,41 +136,11 @@ def _seed_big_run(c: YattClient, run_id: int, t0: float) -> None:
     c.report_state(run_id, "succeeded", summary={"reward/mean": 0.99})
 
 
-@dataclass
-class LiveApi:
-    """A started API with a seeded project; `close()` stops it and drops its database."""
-
-    seeded: SeededApi
-    api: _Api
-    db_name: str
-
-    def close(self) -> None:
-        self.api.proc.terminate()
-        try:
-            self.api.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.api.proc.kill()
-            self.api.proc.wait()
-        drop_pg_database(self.db_name)
-
-
-def start_seeded_api(root: Path, *, big: bool = True) -> LiveApi:
-    from backend.migrate import upgrade
-
-    db_url, db_name = create_pg_database("yatt_dash")
-    upgrade(db_url)
-    admin = _token(db_url, "dash", "admin")
-    reader = _token(db_url, "dash", "read")
-    api = _start_api(root, db_url)
-    with YattClient(api.url, admin, timeout=120) as c:
+def seed_project(server: LiveServer, *, big: bool = True) -> SeededApi:
+    """A new project on a live API (tests/conftest.py's `start_api`), seeded by `seed`."""
+    project = f"dash-{uuid.uuid4().hex[:8]}"
+    admin = server.make_token(project, "admin")
+    reader = server.make_token(project, "read")
+    with YattClient(server.url, admin, timeout=120) as c:
         ids = seed(c, big=big)
-    return LiveApi(SeededApi(api.url, admin, reader, ids), api, db_name)
-
-
-def seeded_api(root: Path, *, big: bool = True) -> Iterator[SeededApi]:
-    """For a pytest fixture: yields the seeded API, then stops it."""
-    live = start_seeded_api(root, big=big)
-    try:
-        yield live.seeded
-    finally:
-        live.close()
+    return SeededApi(server.url, admin, reader, ids)

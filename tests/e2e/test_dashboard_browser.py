@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from backend.client import YattClient
-from tests.dashboard_fixtures import SeededApi, seeded_api, step_metrics
+from tests.conftest import start_api
+from tests.dashboard_fixtures import SeededApi, seed_project, step_metrics
 from tests.e2e.chromium import chromium_missing_reason, launch_browser, running_dashboard
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -25,8 +26,13 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeededApi]:
-    yield from seeded_api(tmp_path_factory.mktemp("dash-browser"), big=False)
+def api(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeededApi]:
+    """The live API of tests/conftest.py on the session's PostgreSQL, one seeded project."""
+    server = start_api(postgres_url, tmp_path_factory.mktemp("dash-browser"))
+    try:
+        yield seed_project(server, big=False)
+    finally:
+        server.stop()
 
 
 def test_run_page_draws_live_charts_without_errors(api: SeededApi) -> None:
@@ -85,6 +91,13 @@ def test_run_page_draws_live_charts_without_errors(api: SeededApi) -> None:
             page.wait_for_timeout(1000)
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+            # the run ends: the page notices by itself and stops refreshing
+            with YattClient(api.url, api.token) as c:
+                c.report_state(run_id, "succeeded", summary={"reward/mean": 0.6})
+            page.get_by_text("succeeded", exact=True).first.wait_for(timeout=20_000)
+            page.get_by_text("refreshing every 2 s").wait_for(state="detached", timeout=10_000)
+            assert not page.get_by_role("button", name="Cancel run").is_visible()
         finally:
             browser.close()
     assert SCREENSHOT.stat().st_size > 50_000

@@ -12,7 +12,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from backend.client import YattClient
-from tests.dashboard_fixtures import SeededApi, seeded_api
+from tests.conftest import start_api
+from tests.dashboard_fixtures import SeededApi, seed_project
 
 pytestmark = pytest.mark.postgres
 
@@ -21,8 +22,13 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeededApi]:
-    yield from seeded_api(tmp_path_factory.mktemp("dash-api"))
+def api(postgres_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeededApi]:
+    """The live API of tests/conftest.py on the session's PostgreSQL, one seeded project."""
+    server = start_api(postgres_url, tmp_path_factory.mktemp("dash-api"))
+    try:
+        yield seed_project(server)
+    finally:
+        server.stop()
 
 
 @pytest.fixture
@@ -118,7 +124,7 @@ def test_history_sorts_by_a_summary_metric_and_pages(as_admin: SeededApi) -> Non
     assert table["reward/mean"].isna().tolist() == sorted(table["reward/mean"].isna().tolist())
 
     at.selectbox(key="f_sort").set_value("oldest first").run()
-    assert list(at.dataframe[0].value["id"]) == sorted(as_admin.runs.values())
+    assert list(at.dataframe[0].value["id"]) == sorted(as_admin.runs.values())[:25]
 
 
 def test_history_pages_through_a_long_history(as_admin: SeededApi, client: YattClient) -> None:
@@ -287,7 +293,7 @@ def test_compare_overlays_metrics_and_lists_config_differences(as_admin: SeededA
 def test_cluster_page_shows_capacity_and_active_runs(as_admin: SeededApi) -> None:
     at = _open("views/cluster.py")
     labels = {m.label: m.value for m in at.metric}
-    assert labels["Devices used"] == "2"  # the running run holds 2 devices
+    assert int(labels["Devices used"]) >= 2  # the seed's running run holds 2 (others may run)
     assert "Devices free" in labels
     assert any("no Ray cluster" in w.value for w in at.warning)
     runs = at.dataframe[-1].value
