@@ -1,0 +1,41 @@
+"""Rollout engines: ``make_engine(cfg, model_dir, threads=...)`` picks vLLM or HF ``generate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.config import TrainerConfig
+from trainer.rollout.base import FinishReason, RolloutEngine, Sample
+
+__all__ = ["FinishReason", "RolloutEngine", "Sample", "make_engine", "rollout_device"]
+
+
+def rollout_device(cfg: TrainerConfig) -> str:
+    """``cuda`` when the placement asks for (or auto-detects) a GPU, else ``cpu``."""
+    import torch
+
+    kind = cfg.placement.device_type
+    if kind == "gpu" or (kind == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def make_engine(
+    cfg: TrainerConfig, model_dir: str | Path, *, threads: int, seed: int | None = None
+) -> RolloutEngine:
+    """The engine ``cfg.rollout.engine`` names, loaded from ``model_dir``, using ``threads`` cores.
+
+    ``seed`` (default ``cfg.seed``) should differ per controller so ranks sample differently.
+    """
+    import torch
+
+    device = rollout_device(cfg)
+    if cfg.rollout.engine == "vllm":
+        from trainer.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, cfg, threads=threads, seed=seed, device=device)
+    from trainer.rollout.hf_engine import HFEngine
+
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    return HFEngine(model_dir, cfg, seed=seed, device=device)

@@ -1,0 +1,50 @@
+"""The sampler's interface: what every rollout engine promises the controller."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Sample:
+    """One sampled response.
+
+    ``response_ids`` are the generated tokens, the EOS token included when generation ended on
+    it (so training teaches the model to stop); ``response_text`` is the decoded response with
+    EOS and any matched stop string removed. ``logprobs[i]`` is the log-probability of
+    ``response_ids[i]`` under the sampling distribution (after temperature and top-p).
+    """
+
+    prompt: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_text: str
+    logprobs: list[float]
+    finish_reason: FinishReason
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """Generates responses; ``generate`` returns ``n`` consecutive samples per prompt, in order."""
+
+    def generate(self, prompts: list[str], n: int) -> list[Sample]: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new policy weights (HF parameter names) in place, without touching disk."""
+        ...
+
+    def sleep(self) -> None:
+        """Release what generation holds (KV cache) while the trainer uses the device."""
+        ...
+
+    def wake(self) -> None:
+        """Re-acquire what ``sleep`` released; call before the next ``generate``."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,162 @@
+"""vLLM as the sampler, in the caller's process (a controller actor owns its engine).
+
+Facts from the installed vLLM (0.32, CPU build) this relies on:
+- ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in-process (start in seconds,
+  and ``collective_rpc`` reaches the worker directly, so tensors pass by reference).
+- The model's own ``load_weights`` breaks once the CPU backend has processed its weights;
+  the worker's ``reload_weights(weights_iterator=...)`` (``vllm.model_executor.model_loader.
+  reload.inplace``) re-runs the layer-wise load and post-processing and mostly works. Not for
+  layers whose vocabulary is padded (embedding, LM head): their weights are copied, but the
+  packed copy the CPU GEMM closure (``layer.cpu_linear``) captured at load time is not rebuilt,
+  so a tied LM head keeps computing logits with the *old* embeddings (measured: greedy output
+  diverged from transformers'). ``_repack_cpu_gemm_weights`` rebuilds those closures.
+  After a reload the prefix cache holds KV computed with old weights, so it is reset.
+- On CPU, ``LLM.sleep`` is a no-op (``CPUWorker.sleep`` only logs): the KV cache stays
+  allocated, sized up front by ``rollout.kv_cache_gb`` (``kv_cache_memory_bytes``, the setting
+  ``VLLM_CPU_KVCACHE_SPACE`` feeds). On GPUs sleep level 1 frees the KV cache and offloads weights.
+- The CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process; the
+  engine restores it so a colocated trainer can still size its thread pool.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from trainer.config import TrainerConfig
+from trainer.rollout.base import Sample
+
+
+def _repack_cpu_gemm_weights(worker) -> int:
+    """Rebuild the packed GEMM weights of CPU layers that keep their weight (embedding, LM head)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    repacked = 0
+    for module in worker.model_runner.get_model().modules():
+        weight = getattr(module, "weight", None)
+        if (hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor)
+                and weight.dim() == 2 and weight.numel() > 0):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked += 1
+    return repacked
+
+
+class VLLMEngine:
+    """An in-process ``vllm.LLM`` behind the RolloutEngine interface."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: TrainerConfig,
+        *,
+        threads: int = 1,
+        seed: int | None = None,
+        device: str = "cpu",
+    ):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        on_gpu = device.startswith("cuda")
+        if not on_gpu:
+            # An explicit OMP_NUM_THREADS keeps vLLM from dropping torch to one thread.
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            # The legacy variable overrides kv_cache_memory_bytes and only takes whole GiB.
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            torch.set_num_threads(threads)
+        from vllm import LLM
+
+        r = cfg.rollout
+        kwargs: dict[str, object] = {
+            "model": str(model_dir),
+            "dtype": cfg.model.dtype,
+            "seed": cfg.seed if seed is None else seed,
+            "trust_remote_code": cfg.model.trust_remote_code,
+            "logprobs_mode": "processed_logprobs",  # log-probs of the distribution sampled from
+        }
+        if on_gpu:
+            kwargs.update(gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=True)
+        else:
+            # Eager: compiling the graph costs minutes on a 2-core machine and buys little here.
+            kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(r.kv_cache_gb * 2**30))
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)  # type: ignore[arg-type]
+        finally:
+            torch.set_num_threads = set_num_threads
+        self.tokenizer = self.llm.get_tokenizer()
+        self.rollout = r
+        self.on_gpu = on_gpu
+        self.sleeping = False
+
+    @property
+    def sleep_supported(self) -> bool:
+        """Whether ``sleep`` frees memory (GPU) or is a no-op (vLLM's CPU backend)."""
+        return self.on_gpu
+
+    def generate(self, prompts: list[str], n: int) -> list[Sample]:
+        from vllm import SamplingParams
+
+        r = self.rollout
+        params = SamplingParams(
+            n=n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_tokens=r.max_new_tokens,
+            stop=list(r.stop) or None,
+            logprobs=0,  # the sampled token's log-prob only
+            skip_special_tokens=True,
+        )
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            prompt_ids = list(out.prompt_token_ids or [])
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                logprobs = [step[tok].logprob for tok, step in zip(ids, c.logprobs or [], strict=True)]
+                samples.append(
+                    Sample(
+                        prompt=prompt,
+                        prompt_ids=prompt_ids,
+                        response_ids=ids,
+                        response_text=c.text,
+                        logprobs=logprobs,
+                        finish_reason="length" if c.finish_reason == "length" else "stop",
+                    )
+                )
+        return samples
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = ((name, t.detach()) for name, t in named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not self.on_gpu:
+            self.llm.collective_rpc(_repack_cpu_gemm_weights)
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.on_gpu and not self.sleeping:
+            self.llm.sleep(level=1)
+        self.sleeping = True
+
+    def wake(self) -> None:
+        if self.on_gpu and self.sleeping:
+            self.llm.wake_up()
+        self.sleeping = False
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del self.llm
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+            gc.collect()
