@@ -159,7 +159,8 @@ def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> s
         "",
         f"`{' '.join(['.venv/bin/python', 'bench/metric_ingest.py', *sys.argv[1:]])}` — "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}, {platform.machine()}, {os.cpu_count()} cores "
-        "(shared with other work), one `yatt api` process (1 uvicorn worker), one client posting "
+        f"(shared with other work: load average {args.load:.1f} at the start), one `yatt api` "
+        "process (1 uvicorn worker), one client posting "
         f"one batch at a time, {args.points:,} points per case over {len(KEYS)} keys.",
         "",
         "| batch | " + " | ".join(f"{k} points/s" for k in kinds) + " |",
@@ -197,6 +198,7 @@ def main() -> None:
     parser.add_argument("--databases", nargs="+", default=["sqlite", "postgresql"])
     parser.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
     args = parser.parse_args()
+    args.load = os.getloadavg()[0]
 
     results = []
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
