@@ -11,6 +11,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import plotly.graph_objects as go
@@ -133,6 +134,29 @@ def _natural_key(key: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
+def _xs(points: Sequence[Point], x: str) -> tuple[list[Any], str]:
+    """x values and axis title: steps, wall-clock times (UTC), or seconds since the first point."""
+    if x == "time":
+        return [datetime.fromtimestamp(p["time"], UTC) for p in points], "time (UTC)"
+    if x == "elapsed":
+        t0 = points[0]["time"] if points else 0.0
+        return [p["time"] - t0 for p in points], "seconds since the run's first report"
+    return [p["step"] for p in points], "step"
+
+
+def _line(name: str, points: Sequence[Point], x: str, color: str) -> go.Scatter:
+    xs, _ = _xs(points, x)
+    return go.Scatter(
+        x=xs,
+        y=[p["value"] for p in points],
+        mode="lines" if len(points) > 1 else "markers",
+        line={"color": color, "width": 1.6},
+        marker={"color": color},
+        name=name,
+        hovertemplate=f"{name}<br>%{{x}}<br>%{{y:.4g}}<extra></extra>",
+    )
+
+
 def line_figure(
     panel: Panel,
     series: Mapping[str, Sequence[Point]],
@@ -140,24 +164,13 @@ def line_figure(
     x: str = "step",
     height: int = 280,
 ) -> go.Figure:
-    """One line per key of the panel that has points; x is `step` or `time`."""
+    """One line per key of the panel that has points; x is `step`, `time` or `elapsed`."""
     fig = go.Figure()
     for i, key in enumerate(panel.keys):
         points = series.get(key) or []
-        if not points:
-            continue
-        fig.add_trace(
-            go.Scatter(
-                x=[p[x] for p in points],
-                y=[p["value"] for p in points],
-                mode="lines" if len(points) > 1 else "markers",
-                line={"color": LINE_COLORS[i % len(LINE_COLORS)], "width": 1.6},
-                marker={"color": LINE_COLORS[i % len(LINE_COLORS)]},
-                name=panel.label(key),
-                hovertemplate=f"{panel.label(key)}<br>{x} %{{x}}<br>%{{y:.4g}}<extra></extra>",
-            )
-        )
-    _style(fig, panel.title, x_title=x, y_title=panel.y_title, height=height)
+        if points:
+            fig.add_trace(_line(panel.label(key), points, x, LINE_COLORS[i % len(LINE_COLORS)]))
+    _style(fig, panel.title, x_title=_xs([], x)[1], y_title=panel.y_title, height=height)
     fig.update_layout(showlegend=len(fig.data) > 1)
     return fig
 
@@ -169,23 +182,15 @@ def overlay_figure(
     x: str = "step",
     height: int = 380,
 ) -> go.Figure:
-    """One metric, one line per run (Compare page); legend entries are the runs' labels."""
+    """One metric, one line per run (Compare page); legend entries are the runs' labels.
+
+    With x="elapsed" each run is measured from its own first report, so runs started on
+    different days line up."""
     fig = go.Figure()
     for i, (label, points) in enumerate(series_by_run.items()):
-        if not points:
-            continue
-        fig.add_trace(
-            go.Scatter(
-                x=[p[x] for p in points],
-                y=[p["value"] for p in points],
-                mode="lines" if len(points) > 1 else "markers",
-                line={"color": LINE_COLORS[i % len(LINE_COLORS)], "width": 1.6},
-                marker={"color": LINE_COLORS[i % len(LINE_COLORS)]},
-                name=label,
-                hovertemplate=f"{label}<br>{x} %{{x}}<br>%{{y:.4g}}<extra></extra>",
-            )
-        )
-    _style(fig, metric, x_title=x, y_title="", height=height)
+        if points:
+            fig.add_trace(_line(label, points, x, LINE_COLORS[i % len(LINE_COLORS)]))
+    _style(fig, metric, x_title=_xs([], x)[1], y_title="", height=height)
     return fig
 
 

@@ -58,16 +58,15 @@ else:
     default = [k for k in ("reward/mean", "throughput/generated_tokens_per_s") if k in all_keys]
     metrics = st.multiselect("Metrics to overlay", all_keys, default=default or all_keys[:1],
                              key="cmp_metrics")
-    x = st.segmented_control("x axis", ["step", "time"], default="step", key="cmp_x") or "step"
+    x = st.segmented_control("x axis", ["step", "elapsed"], default="step", key="cmp_x",
+                             format_func={"step": "step",
+                                          "elapsed": "time since start"}.__getitem__) or "step"
     if metrics:
         series = {rid: api.metrics(c, rid, [m for m in metrics if m in keys_by_run[rid]],
                                    max_points=MAX_POINTS) for rid in chosen}
         cols = st.columns(2 if len(metrics) > 1 else 1)
         for i, metric in enumerate(metrics):
             by_run = {short[rid]: series[rid].get(metric, []) for rid in chosen}
-            if x == "time":  # wall time as seconds since each run's first point
-                by_run = {label: [{**p, "time": p["time"] - pts[0]["time"]} for p in pts]
-                          for label, pts in by_run.items() if pts}
             with cols[i % len(cols)]:
                 st.plotly_chart(overlay_figure(metric, by_run, x=x), key=f"cmp-{metric}",
                                 config={"displaylogo": False})

@@ -187,6 +187,16 @@ def test_big_run_page_asks_for_downsampled_series(as_admin: SeededApi) -> None:
     assert took < 20, f"the 200,000-point run page took {took:.1f}s"
 
 
+def test_metrics_csv_download_holds_every_point(as_admin: SeededApi, client: YattClient) -> None:
+    from dashboard import api
+    from dashboard.tables import metrics_csv
+
+    text = metrics_csv(api.all_metrics(client, as_admin.runs["big"]))
+    lines = text.splitlines()
+    assert lines[0] == "key,step,value,time"
+    assert len(lines) == 1 + 200_000
+
+
 def test_failed_run_shows_its_error_and_retries(as_admin: SeededApi, client: YattClient) -> None:
     run = client.create_run(experiment="dash-retry", name="to-retry", config={})
     client.report_state(run["id"], "starting")

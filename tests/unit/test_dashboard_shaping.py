@@ -74,18 +74,25 @@ def test_line_figure_draws_one_trace_per_key_with_points() -> None:
     assert [t.name for t in fig.data] == ["mean"]
     assert list(fig.data[0].y) == [0.0, 0.1, 0.2, 0.3, 0.4]
     by_time = line_figure(panel, series, x="time")
-    assert list(by_time.data[0].x) == [100.0, 101.0, 102.0, 103.0, 104.0]
+    assert by_time.data[0].x[0] == datetime(1970, 1, 1, 0, 1, 40, tzinfo=UTC)
+    assert by_time.layout.xaxis.title.text == "time (UTC)"
+    elapsed = line_figure(panel, series, x="elapsed")
+    assert list(elapsed.data[0].x) == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert fig.layout.title.text == "Reward"
+    assert fig.layout.xaxis.title.text == "step"
 
 
 def test_overlay_figure_has_one_line_per_run() -> None:
-    fig = overlay_figure(
-        "reward/mean",
-        {"#1 a": [{"step": 0, "value": 1.0}, {"step": 1, "value": 2.0}], "#2 b": [], "#3 c": [
-            {"step": 0, "value": 0.5}]},
-    )
+    runs = {
+        "#1 a": [{"step": 0, "value": 1.0, "time": 50.0}, {"step": 1, "value": 2.0, "time": 60.0}],
+        "#2 b": [],
+        "#3 c": [{"step": 0, "value": 0.5, "time": 9000.0}],
+    }
+    fig = overlay_figure("reward/mean", runs)
     assert [t.name for t in fig.data] == ["#1 a", "#3 c"]
     assert fig.data[1].mode == "markers"
+    elapsed = overlay_figure("reward/mean", runs, x="elapsed")
+    assert list(elapsed.data[0].x) == [0.0, 10.0] and list(elapsed.data[1].x) == [0.0]
 
 
 def _spans_event(spans: list[dict]) -> dict:
