@@ -66,6 +66,7 @@ def api(
         port=port or settings.api_port,
         workers=workers,
         log_level="info",
+        timeout_graceful_shutdown=5,  # open SSE streams must not hold a restart hostage
     )
 
 
@@ -328,12 +329,25 @@ def metrics(
         )
 
 
-def logs(run_id: int, follow: Annotated[bool, typer.Option(help="Keep printing new lines.")] = False) -> None:
-    """A run's trainer log."""
+def logs(
+    run_id: int,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the attempt ends.")] = False,
+    attempt: Annotated[int | None, typer.Option(help="Which attempt (default: the current one).")] = None,
+    tail: Annotated[int | None, typer.Option(help="Only the last N lines.")] = None,
+) -> None:
+    """A run's trainer log (Ray's live copy while it runs, the stored copy after)."""
+    client = _client()
     try:
-        sys.stdout.write(_client().logs(run_id, follow=follow))
+        if follow:
+            for chunk in client.follow_logs(run_id, attempt=attempt):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        else:
+            sys.stdout.write(client.logs(run_id, attempt=attempt, tail=tail))
     except YattAPIError as exc:
         raise _fail(exc) from None
+    except KeyboardInterrupt:
+        pass
 
 
 def register(app: typer.Typer) -> None:

@@ -193,6 +193,9 @@ def test_state_hooks_fire_after_commit_with_the_row_visible(live_api: LiveAPI) -
     run_service.add_state_hook(hook)
     try:
         run = new_run(live_api)
+        with live_api.database.sessionmaker() as s:  # rolled back: no hook call
+            run_service.transition(db_session=s, run_id=run["id"], to_state="starting")
+            s.rollback()
         live_api.client.cancel_run(run["id"])
         with pytest.raises(YattAPIError):
             new_run(live_api, config={"seed": "x"})  # refused: no hook call
