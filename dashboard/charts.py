@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -61,58 +61,64 @@ class Panel:
 
 _DEVICE_KEY = re.compile(r"^device/(\d+)/(.+)$")
 
-# (title, key prefix, y-axis title), in the order a person scans a run: is it fast, is the
-# hardware busy, is it learning.
-_PREFIX_PANELS: tuple[tuple[str, str, str], ...] = (
-    ("Reward", "reward/", "reward"),
-    ("KL", "kl/", "KL"),
-    ("Losses", "loss/", "loss"),
-    ("Response length", "response/", "tokens"),
-    ("Dynamic sampling", "sampling/", ""),
-    ("Time per phase", "time/", "seconds"),
+# Charts of keys that share a prefix and a scale, in the order a person scans a run: is it
+# fast, is the hardware busy, is it learning. (title, prefix, y-axis title, key filter):
+# keys of one prefix but another scale (a count among fractions) are left to later rules.
+_PREFIX_PANELS: tuple[tuple[str, str, str, Callable[[str], bool]], ...] = (
+    ("Throughput (tokens/s)", "throughput/", "tokens/s", lambda k: "token" in k),
+    ("Throughput (samples/s)", "throughput/", "samples/s", lambda k: "sample" in k),
+    ("Throughput", "throughput/", "per second", lambda k: True),
+)
+_LEARNING_PANELS: tuple[tuple[str, str, str, Callable[[str], bool]], ...] = (
+    ("Reward", "reward/", "reward", lambda k: "failed" not in k),
+    ("KL", "kl/", "KL", lambda k: True),
+    ("Losses", "loss/", "loss", lambda k: True),
+    ("Response length", "response/length", "tokens", lambda k: True),
+    ("Dynamic sampling ratios", "sampling/", "ratio",
+     lambda k: any(w in k for w in ("fraction", "ratio", "fill"))),
+    ("Dynamic sampling counts", "sampling/", "count", lambda k: True),
+    ("Time per phase", "time/", "seconds", lambda k: True),
 )
 _DEVICE_PANELS: tuple[tuple[str, str, str], ...] = (
     ("Device utilization", "util_pct", "%"),
     ("Device memory", "memory_mb", "MB"),
+    ("Device busy fraction", "busy_frac", "fraction of the step"),
 )
+_DEVICE_CONSTANTS = frozenset({"memory_total_mb"})  # the device's capacity: not worth a chart
 
 
 def metric_panels(keys: Iterable[str]) -> list[Panel]:
-    """Group metric keys into the run page's charts; every key lands in exactly one panel.
+    """Group metric keys into the run page's charts; every key lands in at most one panel.
 
-    Device metrics get one line per device (`device/<i>/util_pct` → "device 0"); prefixed
-    groups (`reward/*`, `kl/*`, …) share a chart; anything else gets a chart of its own.
+    Device metrics get one line per device (`device/<i>/util_pct` → "device 0"); keys of one
+    prefix and scale (`reward/*`, `kl/*`, …) share a chart; anything else gets a chart of
+    its own. Constants such as `device/<i>/memory_total_mb` are not drawn.
     """
     remaining = sorted(set(keys), key=_natural_key)
+    used: set[str] = set()
     panels: list[Panel] = []
+    for title, prefix, y_title, keep in _PREFIX_PANELS:
+        panels += _prefix_panel(remaining, used, title, prefix, y_title, keep)
 
-    device_metrics: dict[str, list[str]] = defaultdict(list)
+    by_metric: dict[str, list[str]] = defaultdict(list)
+    device_of: dict[str, str] = {}
     for key in remaining:
         m = _DEVICE_KEY.match(key)
         if m:
-            device_metrics[m.group(2)].append(key)
-    used: set[str] = set()
-    # throughput first; tokens/s and samples/s differ by ~100x, so each unit gets its chart
-    tokens = [k for k in remaining if k.startswith("throughput/") and "token" in k]
-    panels += _prefix_panel(tokens, used, "Throughput (tokens/s)", "throughput/", "tokens/s")
-    samples = [k for k in remaining if k.startswith("throughput/") and "sample" in k]
-    panels += _prefix_panel(samples, used, "Throughput (samples/s)", "throughput/", "samples/s")
-    panels += _prefix_panel(remaining, used, "Throughput", "throughput/", "per second")
-    for title, metric, y_title in _DEVICE_PANELS:
-        keys_here = device_metrics.pop(metric, [])
-        if keys_here:
-            labels = {k: f"device {_DEVICE_KEY.match(k).group(1)}" for k in keys_here}  # type: ignore[union-attr]
-            panels.append(Panel(title, keys_here, labels, y_title))
-            used.update(keys_here)
-    for metric, keys_here in sorted(device_metrics.items()):
-        if metric == "memory_total_mb":  # a constant; shown as the memory chart's ceiling
-            used.update(keys_here)
-            continue
-        labels = {k: f"device {_DEVICE_KEY.match(k).group(1)}" for k in keys_here}  # type: ignore[union-attr]
-        panels.append(Panel(f"Device {metric.replace('_', ' ')}", keys_here, labels))
+            by_metric[m.group(2)].append(key)
+            device_of[key] = f"device {m.group(1)}"
+    used.update(k for metric in _DEVICE_CONSTANTS for k in by_metric.pop(metric, []))
+    titles = {metric: (title, y_title) for title, metric, y_title in _DEVICE_PANELS}
+    ordered = [m for _, m, _ in _DEVICE_PANELS if m in by_metric]
+    ordered += sorted(set(by_metric) - set(ordered))
+    for metric in ordered:
+        title, y_title = titles.get(metric, (f"Device {metric.replace('_', ' ')}", ""))
+        keys_here = by_metric[metric]
+        panels.append(Panel(title, keys_here, {k: device_of[k] for k in keys_here}, y_title))
         used.update(keys_here)
-    for title, prefix, y_title in _PREFIX_PANELS:
-        panels += _prefix_panel(remaining, used, title, prefix, y_title)
+
+    for title, prefix, y_title, keep in _LEARNING_PANELS:
+        panels += _prefix_panel(remaining, used, title, prefix, y_title, keep)
     for key in remaining:
         if key not in used:
             panels.append(Panel(key, [key], {key: key.rsplit("/", 1)[-1]}))
@@ -120,13 +126,19 @@ def metric_panels(keys: Iterable[str]) -> list[Panel]:
 
 
 def _prefix_panel(
-    keys: list[str], used: set[str], title: str, prefix: str, y_title: str
+    keys: list[str],
+    used: set[str],
+    title: str,
+    prefix: str,
+    y_title: str,
+    keep: Callable[[str], bool],
 ) -> list[Panel]:
-    mine = [k for k in keys if k.startswith(prefix) and k not in used]
+    mine = [k for k in keys if k.startswith(prefix) and k not in used and keep(k)]
     if not mine:
         return []
     used.update(mine)
-    return [Panel(title, mine, {k: k[len(prefix):] for k in mine}, y_title)]
+    label_from = prefix if prefix.endswith("/") else prefix.rsplit("/", 1)[0] + "/"
+    return [Panel(title, mine, {k: k[len(label_from):] for k in mine}, y_title)]
 
 
 def _natural_key(key: str) -> list[Any]:

@@ -32,7 +32,7 @@ def step_metrics(step: int, t: float) -> list[dict[str, Any]]:
     """The metrics a trainer step reports (DESIGN.md §3.7), with plausible shapes."""
     reward = 0.2 + 0.6 * (1 - math.exp(-step / 15))
     values = {
-        "throughput/generated_tokens_per_s": 2800 + 300 * math.sin(step / 3),
+        "throughput/gen_tokens_per_s": 2800 + 300 * math.sin(step / 3),
         "throughput/samples_per_s": 15 + math.sin(step / 4),
         "reward/mean": reward,
         "reward/std": 0.3 - 0.1 * reward,
@@ -41,11 +41,14 @@ def step_metrics(step: int, t: float) -> list[dict[str, Any]]:
         "loss/total": 0.1 / (1 + step / 10),
         "response/length_mean": 6 + math.sin(step / 5),
         "sampling/valid_fraction": 0.7 + 0.2 * math.sin(step / 7),
+        "sampling/oversample_ratio": 1.3 - 0.2 * math.sin(step / 7),
+        "sampling/kept_groups": 12 + step % 4,
         "time/rollout": 1.2, "time/train": 0.8, "entropy": 1.5 - step / 100,
     }
     for d in range(DEVICES):
         values[f"device/{d}/util_pct"] = 60 + 30 * math.sin(step / 2 + d)
         values[f"device/{d}/memory_mb"] = 900 + 20 * d + step
+        values[f"device/{d}/busy_frac"] = 0.8 - 0.05 * d
     return [{"key": k, "step": step, "value": v, "time": t} for k, v in values.items()]
 
 
@@ -119,7 +122,7 @@ def seed(c: YattClient, *, big: bool = True) -> dict[str, int]:
 def _seed_big_run(c: YattClient, run_id: int, t0: float) -> None:
     c.report_state(run_id, "starting")
     c.report_state(run_id, "running")
-    keys = ("reward/mean", "throughput/generated_tokens_per_s")
+    keys = ("reward/mean", "throughput/gen_tokens_per_s")
     per_key = BIG_RUN_POINTS // len(keys)
     batch: list[dict[str, Any]] = []
     for step in range(per_key):

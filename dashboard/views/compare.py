@@ -55,7 +55,7 @@ st.subheader("Metrics")
 if not all_keys:
     st.caption("These runs have no metrics yet.")
 else:
-    default = [k for k in ("reward/mean", "throughput/generated_tokens_per_s") if k in all_keys]
+    default = [k for k in ("reward/mean", "throughput/gen_tokens_per_s") if k in all_keys]
     metrics = st.multiselect("Metrics to overlay", all_keys, default=default or all_keys[:1],
                              key="cmp_metrics")
     x = st.segmented_control("x axis", ["step", "elapsed"], default="step", key="cmp_x",

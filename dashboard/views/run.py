@@ -124,7 +124,7 @@ def _summary_row(keys: list[dict[str, Any]]) -> None:
     latest["step"] = max((k.get("latest_step") or 0) for k in keys)
     wanted = [
         ("step", "step"),
-        ("throughput/generated_tokens_per_s", "tokens/s"),
+        ("throughput/gen_tokens_per_s", "tokens/s"),
         ("throughput/samples_per_s", "samples/s"),
         ("reward/mean", "reward"),
         ("kl/mean", "KL"),

@@ -161,7 +161,7 @@ def test_running_run_page_shows_live_charts_timeline_and_cancel(as_admin: Seeded
     titles = [c["layout"]["title"]["text"] for c in _charts(at)]
     for expected in ("Throughput (tokens/s)", "Throughput (samples/s)", "Device utilization",
                      "Device memory", "Reward", "KL", "Losses", "Response length",
-                     "Dynamic sampling"):
+                     "Dynamic sampling ratios"):
         assert expected in titles
     util = next(c for c in _charts(at) if c["layout"]["title"]["text"] == "Device utilization")
     assert [t["name"] for t in util["data"]] == ["device 0", "device 1"]
@@ -293,7 +293,7 @@ def test_compare_overlays_metrics_and_lists_config_differences(as_admin: SeededA
     at = _open("views/compare.py", runs=f"{a},{b}")
     charts = _charts(at)
     assert [c["layout"]["title"]["text"] for c in charts] == [
-        "reward/mean", "throughput/generated_tokens_per_s"]
+        "reward/mean", "throughput/gen_tokens_per_s"]
     assert [t["name"] for t in charts[0]["data"]] == [f"#{a} succeeded", f"#{b} failed"]
     diff = at.dataframe[-1].value
     assert list(diff.index) == ["train.lr"]

@@ -39,28 +39,37 @@ from dashboard.tables import (
 
 
 def test_metric_panels_groups_every_key_once_in_reading_order() -> None:
+    # the keys trainer/ reports (DESIGN.md §3.7)
     keys = [
-        "reward/mean", "reward/std", "kl/mean", "loss/policy", "loss/total",
-        "throughput/generated_tokens_per_s", "throughput/samples_per_s",
-        "device/0/util_pct", "device/1/util_pct", "device/10/util_pct",
-        "device/0/memory_mb", "device/1/memory_mb", "device/0/memory_total_mb",
-        "response/length_mean", "sampling/valid_fraction", "time/rollout", "entropy", "lr",
+        "reward/mean", "reward/std", "reward/failed_batches", "kl/mean", "loss/policy",
+        "loss/total", "throughput/gen_tokens_per_s", "throughput/trained_tokens_per_s",
+        "throughput/samples_per_s", "device/0/util_pct", "device/1/util_pct",
+        "device/10/util_pct", "device/0/memory_mb", "device/1/memory_mb",
+        "device/0/memory_total_mb", "device/0/busy_frac", "response/length_mean",
+        "response/length_max", "response/truncated_frac", "sampling/valid_fraction",
+        "sampling/oversample_ratio", "sampling/kept_groups", "time/rollout", "entropy", "lr",
     ]
     panels = metric_panels(keys)
     titles = [p.title for p in panels]
-    assert titles[:4] == ["Throughput (tokens/s)", "Throughput (samples/s)", "Device utilization",
-                          "Device memory"]
-    assert titles[4:10] == ["Reward", "KL", "Losses", "Response length", "Dynamic sampling",
-                            "Time per phase"]
-    assert titles[10:] == ["entropy", "lr"]
-    assert panels[1].keys == ["throughput/samples_per_s"]
-    util = panels[2]
+    assert titles == [
+        "Throughput (tokens/s)", "Throughput (samples/s)", "Device utilization",
+        "Device memory", "Device busy fraction", "Reward", "KL", "Losses", "Response length",
+        "Dynamic sampling ratios", "Dynamic sampling counts", "Time per phase",
+        "entropy", "lr", "response/truncated_frac", "reward/failed_batches",
+    ]
+    by_title = {p.title: p for p in panels}
+    util = by_title["Device utilization"]
     assert util.keys == ["device/0/util_pct", "device/1/util_pct", "device/10/util_pct"]
     assert [util.label(k) for k in util.keys] == ["device 0", "device 1", "device 10"]
-    assert panels[1].label("throughput/samples_per_s") == "samples_per_s"
+    assert by_title["Throughput (tokens/s)"].keys == ["throughput/gen_tokens_per_s",
+                                                      "throughput/trained_tokens_per_s"]
+    assert by_title["Throughput (samples/s)"].label("throughput/samples_per_s") == "samples_per_s"
+    assert by_title["Response length"].label("response/length_max") == "length_max"
+    assert by_title["Dynamic sampling ratios"].keys == ["sampling/oversample_ratio",
+                                                        "sampling/valid_fraction"]
     drawn = [k for p in panels for k in p.keys]
     assert len(drawn) == len(set(drawn))
-    # the memory ceiling is a constant, not a chart of its own
+    # the memory capacity is a constant, not a chart of its own
     assert set(drawn) == set(keys) - {"device/0/memory_total_mb"}
 
 
