@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -70,6 +71,17 @@ def test_drift_is_detected(tmp_path: Path) -> None:
         conn.execute(text("DROP INDEX ix_metric_points_run_id_key_step"))
     db.dispose()
     assert any("ix_metric_points_run_id_key_step" in str(d) for d in schema_diff(url))
+
+
+@pytest.mark.postgres
+def test_yatt_db_upgrade_on_an_empty_postgres_database(empty_postgres: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "db", "upgrade"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "YATT_DATABASE_URL": empty_postgres},
+    )
+    assert result.returncode == 0, result.stderr
+    assert schema_diff(empty_postgres) == []
 
 
 def test_yatt_db_upgrade_on_an_empty_sqlite_file(tmp_path: Path) -> None:
