@@ -244,8 +244,23 @@ class YattClient:
     def checkpoints(self, run_id: int) -> list[dict[str, Any]]:
         return self.request("GET", f"/runs/{run_id}/checkpoints")  # type: ignore[no-any-return]
 
-    def logs(self, run_id: int, *, follow: bool = False) -> str:
-        return str(self.request("GET", f"/runs/{run_id}/logs", params={"follow": follow}, text=True))
+    def logs(self, run_id: int, *, attempt: int | None = None, tail: int | None = None) -> str:
+        """An attempt's trainer log (default: the current attempt), or its last `tail` lines."""
+        params = {k: v for k, v in {"attempt": attempt, "tail": tail}.items() if v is not None}
+        return str(self.request("GET", f"/runs/{run_id}/logs", params=params, text=True))
+
+    def follow_logs(self, run_id: int, *, attempt: int | None = None) -> Iterator[str]:
+        """The log as it grows, chunk by chunk, until the attempt ends."""
+        params: dict[str, Any] = {"follow": True}
+        if attempt is not None:
+            params["attempt"] = attempt
+        with self._http.stream(
+            "GET", f"/api/v1/runs/{run_id}/logs", params=params, timeout=httpx.Timeout(30, read=None)
+        ) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise _error_of(response)
+            yield from response.iter_text()
 
     def cluster(self) -> dict[str, Any]:
         return self.request("GET", "/cluster")  # type: ignore[no-any-return]

@@ -143,7 +143,7 @@ def stop_head(head: LocalHead, settings: Settings | None = None) -> None:
         os.killpg(head.pid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         pass
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 5
     while time.monotonic() < deadline and psutil.pid_exists(head.pid):
         try:
             if psutil.Process(head.pid).status() == psutil.STATUS_ZOMBIE:

@@ -146,7 +146,8 @@ class RayCluster:
             "runtime_env": runtime_env,
             "metadata": metadata or {},
         }
-        resp = self._request("POST", "/api/jobs/", json=body)
+        # Ray starts the job's supervisor actor before it answers: slow on a busy machine.
+        resp = self._request("POST", "/api/jobs/", json=body, timeout=120.0)
         if resp.status_code == 200:
             return str(resp.json()["submission_id"])
         if self.job(submission_id) is not None:  # Ray answers 500 for a reused id
@@ -171,6 +172,13 @@ class RayCluster:
             start_time=data["start_time"] / ms if data.get("start_time") else None,
             end_time=data["end_time"] / ms if data.get("end_time") else None,
         )
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Every job the cluster knows, as Ray describes them."""
+        resp = self._request("GET", "/api/jobs/")
+        if resp.status_code != 200:
+            raise RayUnavailable(f"Ray job list: {resp.status_code} {resp.text[:300]}")
+        return list(resp.json())
 
     def stop(self, submission_id: str) -> bool:
         """Ask Ray to stop a job; False when it had already ended or does not exist."""
