@@ -303,6 +303,20 @@ def _add_state_event(
     )
 
 
+def _locked_run(db_session: Session, run_id: int, project_id: int | None) -> Run:
+    """The run, row-locked until the transaction ends (FOR UPDATE on PostgreSQL; on SQLite a
+    write transaction already holds the database lock)."""
+    run = db_session.execute(
+        select(Run)
+        .where(Run.id == run_id)
+        .with_for_update(of=Run)
+        .execution_options(populate_existing=True)
+    ).scalar_one_or_none()
+    if run is None or (project_id is not None and run.project_id != project_id):
+        raise RunNotFound(f"run {run_id} not found")
+    return run
+
+
 def transition(
     *,
     db_session: Session,
@@ -320,14 +334,7 @@ def transition(
     for the current state is a no-op, so a retried report does not fail.
     """
     target = RunState(to_state)
-    run = db_session.execute(
-        select(Run)
-        .where(Run.id == run_id)
-        .with_for_update(of=Run)
-        .execution_options(populate_existing=True)
-    ).scalar_one_or_none()
-    if run is None or (project_id is not None and run.project_id != project_id):
-        raise RunNotFound(f"run {run_id} not found")
+    run = _locked_run(db_session, run_id, project_id)
     current = RunState(run.state)
     if allow_same and current is target:
         return run
@@ -373,11 +380,10 @@ def cancel(*, db_session: Session, run_id: int, project_id: int | None = None, r
 
     Cancelling a run that is already cancelling or cancelled returns it unchanged.
     """
-    run = db_session.get(Run, run_id)
-    if run is None or (project_id is not None and run.project_id != project_id):
-        raise RunNotFound(f"run {run_id} not found")
+    run = _locked_run(db_session, run_id, project_id)  # decide on the state nobody else can change
     if run.state in (RunState.cancelling, RunState.cancelled):
         return run
+    # a queued run has nothing to stop; a started one may own a Ray job the dispatcher must stop
     target = RunState.cancelled if run.state == RunState.queued else RunState.cancelling
     return transition(
         db_session=db_session, run_id=run_id, to_state=target, reason=reason or "cancelled by user"
