@@ -263,13 +263,6 @@ def report_state(run: WritableRun, body: StateUpdate, principal: CurrentPrincipa
         )
     if principal.role is not Role.run and principal.role is not Role.admin:
         raise HTTPException(403, "state reports need the run's token or an admin token")
-    service.record_environment(
-        db_session=db_session,
-        run=run,
-        code_version=body.code_version,
-        package_versions=body.package_versions,
-        run_dir=body.run_dir,
-    )
     run = service.transition(
         db_session=db_session,
         run_id=run.id,
@@ -277,6 +270,13 @@ def report_state(run: WritableRun, body: StateUpdate, principal: CurrentPrincipa
         reason=body.reason,
         summary=body.summary,
         allow_same=True,
+    )
+    service.record_environment(
+        db_session=db_session,
+        run=run,
+        code_version=body.code_version,
+        package_versions=body.package_versions,
+        run_dir=body.run_dir,
     )
     db_session.commit()
     return RunOut.of(run)
