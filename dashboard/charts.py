@@ -39,6 +39,8 @@ PHASE_COLORS: dict[str, str] = {
     "weight_sync": "#D55E00",
     "eval": "#56B4E9",
     "checkpoint": "#999999",
+    "rollout_wait": "#C8C8C8",  # a trainer waiting for rollouts: shown pale, close to idle
+    "idle": "#E0E0E0",
 }
 _FALLBACK_COLORS = ("#F0E442", "#882255", "#44AA99", "#117733", "#332288", "#AA4499")
 # Lines (devices, runs, keys of one panel): distinct hues, none too dark for a dark theme.
@@ -48,12 +50,15 @@ LINE_COLORS = ("#3A8FD9", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9",
 
 @dataclass
 class Panel:
-    """One chart on the run page: a title, the metric keys it draws and their legend labels."""
+    """One chart on the run page: a title, the metric keys it draws and their legend labels.
+
+    `primary` panels are the ones a person watches (DESIGN.md §3.7); the rest are extras."""
 
     title: str
     keys: list[str]
     labels: dict[str, str] = field(default_factory=dict)
     y_title: str = ""
+    primary: bool = True
 
     def label(self, key: str) -> str:
         return self.labels.get(key, key)
@@ -119,9 +124,15 @@ def metric_panels(keys: Iterable[str]) -> list[Panel]:
 
     for title, prefix, y_title, keep in _LEARNING_PANELS:
         panels += _prefix_panel(remaining, used, title, prefix, y_title, keep)
+    # the rest: one chart per prefix (`advantage/*`, `warm_start/*`), or per key
+    groups: dict[str, list[str]] = defaultdict(list)
     for key in remaining:
         if key not in used:
-            panels.append(Panel(key, [key], {key: key.rsplit("/", 1)[-1]}))
+            groups[key.rsplit("/", 1)[0] if "/" in key else key].append(key)
+    for prefix, keys_here in groups.items():
+        labels = {k: k.rsplit("/", 1)[-1] for k in keys_here}
+        panels.append(Panel(prefix if len(keys_here) > 1 else keys_here[0], keys_here, labels,
+                            primary=False))
     return panels
 
 
@@ -311,12 +322,13 @@ def phase_share(spans: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     per_device: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
     for s in spans:
         per_device[s["device"]].append(s)
+    phases = sorted({s["phase"] for s in spans})
     rows = []
     for device in sorted(per_device):
         items = per_device[device]
-        row: dict[str, Any] = {"device": device}
+        row: dict[str, Any] = {"device": device, **dict.fromkeys(phases, 0.0)}
         for s in items:
-            row[s["phase"]] = row.get(s["phase"], 0.0) + (s["end"] - s["start"])
+            row[s["phase"]] += s["end"] - s["start"]
         busy = _union_length([(s["start"], s["end"]) for s in items])
         row["busy_s"] = busy
         row["idle_pct"] = 100.0 * (1.0 - busy / window)

@@ -144,11 +144,20 @@ def _charts(run_id: int, x: str) -> None:
     _summary_row(keys)
     panels = metric_panels(k["key"] for k in keys)
     series = api.metrics(c, run_id, [k for p in panels for k in p.keys], max_points=MAX_POINTS)
+    main = [p for p in panels if p.primary]
     cols = st.columns(2)
-    for i, panel in enumerate(panels):
+    for i, panel in enumerate(main):
         with cols[i % 2]:
             st.plotly_chart(line_figure(panel, series, x=x), key=f"chart-{panel.title}",
                             config={"displaylogo": False})
+    extra = [p for p in panels if not p.primary]
+    if extra:
+        with st.expander(f"More metrics: {', '.join(p.title for p in extra)}"):
+            cols = st.columns(3)
+            for i, panel in enumerate(extra):
+                with cols[i % 3]:
+                    st.plotly_chart(line_figure(panel, series, x=x, height=220),
+                                    key=f"chart-{panel.title}", config={"displaylogo": False})
 
 
 def _run_events(run_id: int) -> RunEvents:

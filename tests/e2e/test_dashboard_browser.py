@@ -89,6 +89,9 @@ def test_run_page_draws_live_charts_without_errors(api: SeededApi) -> None:
             )
             page.set_viewport_size({"width": 1400, "height": min(int(height) + 40, 8000)})
             page.wait_for_timeout(1000)
+            # between live refreshes: Streamlit greys out elements while a rerun is drawing
+            page.wait_for_function("() => !document.querySelector('[data-stale=\"true\"]')",
+                                   timeout=10_000)
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
 

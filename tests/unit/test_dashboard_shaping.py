@@ -48,6 +48,7 @@ def test_metric_panels_groups_every_key_once_in_reading_order() -> None:
         "device/0/memory_total_mb", "device/0/busy_frac", "response/length_mean",
         "response/length_max", "response/truncated_frac", "sampling/valid_fraction",
         "sampling/oversample_ratio", "sampling/kept_groups", "time/rollout", "entropy", "lr",
+        "advantage/mean", "advantage/abs_mean",
     ]
     panels = metric_panels(keys)
     titles = [p.title for p in panels]
@@ -55,8 +56,10 @@ def test_metric_panels_groups_every_key_once_in_reading_order() -> None:
         "Throughput (tokens/s)", "Throughput (samples/s)", "Device utilization",
         "Device memory", "Device busy fraction", "Reward", "KL", "Losses", "Response length",
         "Dynamic sampling ratios", "Dynamic sampling counts", "Time per phase",
-        "entropy", "lr", "response/truncated_frac", "reward/failed_batches",
+        "advantage", "entropy", "lr", "response/truncated_frac", "reward/failed_batches",
     ]
+    assert by_title_keys(panels, "advantage") == ["advantage/abs_mean", "advantage/mean"]
+    assert [p.title for p in panels if not p.primary] == titles[12:]  # extras, shown folded
     by_title = {p.title: p for p in panels}
     util = by_title["Device utilization"]
     assert util.keys == ["device/0/util_pct", "device/1/util_pct", "device/10/util_pct"]
@@ -71,6 +74,10 @@ def test_metric_panels_groups_every_key_once_in_reading_order() -> None:
     assert len(drawn) == len(set(drawn))
     # the memory capacity is a constant, not a chart of its own
     assert set(drawn) == set(keys) - {"device/0/memory_total_mb"}
+
+
+def by_title_keys(panels: list, title: str) -> list[str]:
+    return next(p.keys for p in panels if p.title == title)
 
 
 def test_line_figure_draws_one_trace_per_key_with_points() -> None:
@@ -161,6 +168,7 @@ def test_phase_share_measures_idle_time_per_device() -> None:
     assert rows[0]["idle_pct"] == pytest.approx(20.0)
     assert rows[0]["rollout"] == pytest.approx(6.0) and rows[0]["reward"] == pytest.approx(4.0)
     assert rows[1]["idle_pct"] == pytest.approx(50.0)
+    assert rows[1]["rollout"] == 0.0  # every phase column on every row
     assert phase_share([]) == []
 
 
