@@ -44,7 +44,7 @@ class ModelConfig(_Group):
 
 class ArithmeticConfig(_Group):
     digits: int = Field(2, ge=1, le=6, description="Digits per operand.")
-    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    ops: list[Literal["+", "-", "*"]] = Field(default=["+"], min_length=1)
     train_size: int = Field(20_000, ge=1)
     eval_size: int = Field(256, ge=1)
 

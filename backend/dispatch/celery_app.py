@@ -21,6 +21,14 @@ def queue_for_priority(priority: int) -> str:
     return QUEUES[0] if priority > 0 else QUEUES[2] if priority < 0 else QUEUES[1]
 
 
+def _transport_options(broker_url: str) -> dict[str, object]:
+    # kombu's SQLAlchemy transport hands its options to create_engine(): give it none.
+    if broker_url.startswith("sqla+"):
+        return {}
+    # Redis: an unacked message comes back after the visibility timeout (tasks are idempotent).
+    return {"visibility_timeout": 3600}
+
+
 def make_celery() -> Celery:
     settings = get_settings()
     if settings.broker_url.startswith("sqla+sqlite:///"):
@@ -40,8 +48,7 @@ def make_celery() -> Celery:
         task_queues=[Queue(name) for name in QUEUES],
         task_default_queue="yatt.normal",
         broker_connection_retry_on_startup=True,
-        # a lost or unacked message comes back; every task here is idempotent
-        broker_transport_options={"visibility_timeout": 3600, "polling_interval": 0.5},
+        broker_transport_options=_transport_options(settings.broker_url),
         worker_hijack_root_logger=False,
         enable_utc=True,
     )

@@ -203,7 +203,7 @@ def up(
         while True:
             for proc in children:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with {proc.returncode}")
+                    raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
             time.sleep(1)
     except KeyboardInterrupt:
         pass

@@ -132,8 +132,7 @@ def schedule(*, db: Database, cluster: RayCluster, settings: Settings) -> list[i
                     f"waiting: needs {need} devices ({resource}); the cluster has {total}",
                     {"needed": need, "total": total, "resource": resource},
                 )
-                blocked = True
-                continue
+                continue  # it cannot fit until the cluster grows: it holds nobody else back
             if per_project[run.project_id] >= settings.max_concurrent_runs_per_project:
                 _note_once(
                     s, run, "admission",
@@ -357,6 +356,8 @@ def _store_missing_logs(s: Session, cluster: RayCluster) -> None:
         .limit(20)
     ).all()
     for run_id, attempt, sid in rows:
+        if sid is None:
+            continue
         job = cluster.job(sid)
         if job is None:
             s.add(RunLog(run_id=run_id, attempt=attempt, text="", updated_at=utcnow()))

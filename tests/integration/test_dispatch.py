@@ -278,3 +278,18 @@ def test_failing_run_fails_with_reason_and_submit_wait_exits_nonzero(
     good.write_text(yaml.safe_dump(tiny_config(model_dir, steps=2)))
     out = stack.yatt("submit", str(good), "--wait", check=False, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_run_that_does_not_fit_waits_queued_and_says_why(stack: Stack, api: httpx.Client, model_dir: Path) -> None:
+    cluster = api.get("/cluster").json()
+    assert cluster["reachable"] and cluster["devices"]["resource"] == "yatt_device"
+    assert cluster["devices"]["total"] == 2 and cluster["nodes"][0]["alive"]
+    big = submit(api, tiny_config(model_dir, placement__devices=4, train__batch_size=4), priority=5)
+    deadline = time.monotonic() + 30
+    reasons: list[str] = []
+    while time.monotonic() < deadline and not reasons:
+        reasons = [e["message"] for e in events_of(api, big["id"], "admission")]
+        time.sleep(0.5)
+    assert reasons and "needs 4 devices" in reasons[0] and "has 2" in reasons[0]
+    assert api.get(f"/runs/{big['id']}").json()["state"] == "queued"
+    assert api.post(f"/runs/{big['id']}/cancel").json()["state"] == "cancelled"
