@@ -167,6 +167,11 @@ def _xs(points: Sequence[Point], x: str) -> tuple[list[Any], str]:
     return [p["step"] for p in points], "step"
 
 
+def _axis_title(x: str) -> str:
+    # step numbers and dates read without a title; elapsed seconds need one
+    return _xs([], x)[1] if x == "elapsed" else ""
+
+
 def _line(name: str, points: Sequence[Point], x: str, color: str) -> go.Scatter:
     xs, _ = _xs(points, x)
     return go.Scatter(
@@ -176,7 +181,7 @@ def _line(name: str, points: Sequence[Point], x: str, color: str) -> go.Scatter:
         line={"color": color, "width": 1.6},
         marker={"color": color},
         name=name,
-        hovertemplate=f"{name}<br>%{{x}}<br>%{{y:.4g}}<extra></extra>",
+        hovertemplate=f"{name}: %{{y:.4g}}<extra></extra>",  # the unified hover heads with x
     )
 
 
@@ -193,7 +198,7 @@ def line_figure(
         points = series.get(key) or []
         if points:
             fig.add_trace(_line(panel.label(key), points, x, LINE_COLORS[i % len(LINE_COLORS)]))
-    _style(fig, panel.title, x_title=_xs([], x)[1], y_title=panel.y_title, height=height)
+    _style(fig, panel.title, x_title=_axis_title(x), y_title=panel.y_title, height=height)
     fig.update_layout(showlegend=len(fig.data) > 1)
     return fig
 
@@ -213,7 +218,7 @@ def overlay_figure(
     for i, (label, points) in enumerate(series_by_run.items()):
         if points:
             fig.add_trace(_line(label, points, x, LINE_COLORS[i % len(LINE_COLORS)]))
-    _style(fig, metric, x_title=_xs([], x)[1], y_title="", height=height)
+    _style(fig, metric, x_title=_axis_title(x), y_title="", height=height)
     return fig
 
 
@@ -359,7 +364,8 @@ def _style(
         title={"text": title, "x": 0, "xanchor": "left", "font": {"size": 15}},
         height=height,
         margin={"l": 10, "r": 10, "t": 40, "b": 10},
-        legend={"orientation": "h", "y": -0.25, "x": 0},
+        # below the tick labels; the x axis has no title then (ticks and the page say it)
+        legend={"orientation": "h", "yanchor": "top", "y": -0.16, "x": 0},
         hovermode="x unified" if unified else "closest",
     )
     fig.update_xaxes(title_text=x_title)
