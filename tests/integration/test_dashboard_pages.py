@@ -339,3 +339,14 @@ def test_no_token_asks_for_one(api: SeededApi, monkeypatch: pytest.MonkeyPatch) 
     _no_exception(at)
     assert any("No API token" in e.value for e in at.error)
     assert at.text_input(key="login_token")
+
+
+def test_unreachable_api_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.stack import free_port
+
+    monkeypatch.setenv("YATT_API_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.setenv("YATT_TOKEN", "yatt_whatever")
+    at = _app()
+    at.run()
+    _no_exception(at)
+    assert any("Cannot reach the API" in e.value for e in at.error)
