@@ -132,3 +132,12 @@ def test_sft_target_and_task_text():
     assert sft_target(train[0]) == train[0].answer
     text = task_text(cfg)
     assert len(text) == 25 and text[0] == train[0].prompt + train[0].answer
+
+
+def test_digits_means_exactly_that_many_digits():
+    train, evals = arithmetic_examples(digits=2, ops=["+", "-"], train_size=20_000, eval_size=10,
+                                       seed=0)
+    for ex in train + evals:
+        a, b = (int(x) for x in ex.prompt[:-1].replace("-", "+").split("+"))
+        assert 10 <= a <= 99 and 10 <= b <= 99
+    assert len(train) + len(evals) == 90 * 90 + 90 * 91 // 2

@@ -1,6 +1,7 @@
 """Synthetic arithmetic with verifiable answers: prompts like ``"12+35="``, answers like ``"47"``.
 
-Difficulty knobs: ``digits`` per operand and the set of ``ops``. The split is deterministic in
+Difficulty knobs: ``digits`` per operand (exactly that many: 2 means 10..99; 1 means 0..9)
+and the set of ``ops``. The split is deterministic in
 the seed, and the held-out eval problems never appear in the train set. Subtraction keeps the
 larger operand first, so every answer is a non-negative integer (short targets a ~1M-parameter
 model learns in seconds).
@@ -34,9 +35,10 @@ def arithmetic_examples(
     if bad or not ops:
         raise DataError(f"data.arithmetic.ops must be a non-empty subset of + - *, got {list(ops)}")
     ops = sorted(set(ops), key="+-*".index)
-    top = 10**digits
+    low, top = (10 ** (digits - 1) if digits > 1 else 0), 10**digits
+    span = top - low
     # Subtraction renders (a, b) and (b, a) the same, so count canonical problems per op.
-    per_op = {"+": top * top, "*": top * top, "-": top * (top + 1) // 2}
+    per_op = {"+": span * span, "*": span * span, "-": span * (span + 1) // 2}
     total = sum(per_op[op] for op in ops)
     if eval_size >= total:
         raise DataError(
@@ -49,8 +51,8 @@ def arithmetic_examples(
         problems = [
             (a, op, b)
             for op in ops
-            for a in range(top)
-            for b in (range(a + 1) if op == "-" else range(top))
+            for a in range(low, top)
+            for b in (range(low, a + 1) if op == "-" else range(low, top))
         ]
         rng.shuffle(problems)
         chosen = problems[:wanted]
@@ -59,7 +61,7 @@ def arithmetic_examples(
         chosen = []
         while len(chosen) < wanted:
             op = rng.choice(ops)
-            a, b = rng.randrange(top), rng.randrange(top)
+            a, b = rng.randrange(low, top), rng.randrange(low, top)
             if op == "-" and b > a:
                 a, b = b, a
             if (a, op, b) not in seen:
