@@ -265,7 +265,9 @@ class ControllerLoop:
 
     def _draw(self, k: int) -> list[Group]:
         n = self.cfg.rollout.n
-        return self._collect(self._submit(self.stream.take(k), n), n)
+        groups = self._collect(self._submit(self.stream.take(k), n), n)
+        self._drawn.extend(groups)
+        return groups
 
     def _push_weights(self, version: int) -> None:
         import ray
@@ -404,8 +406,10 @@ class ControllerLoop:
                 samples_n = len(batch)
             else:
                 first = None
+                self._drawn: list[Group] = []  # every group sampled this step, kept or not
                 if prefetch:
                     first = self._collect(prefetch.popleft(), n)
+                    self._drawn.extend(first)
                 groups, smetrics = self.sampler.fill(need, self._draw, first=first)
                 metrics.update(smetrics)
                 if overlap:  # start the next rollouts now: they run while this step trains
@@ -422,10 +426,13 @@ class ControllerLoop:
                 with self.recorder.span("train"):
                     metrics.update(self.learner.rl_step(batch, recorder=self.recorder))
                 self._push_weights(step)
-                lengths = [len(s.response_ids) for s in samples]
+                # rewards and lengths describe everything sampled this step (dropped groups too)
+                drawn = [s for g in self._drawn for s in g.samples]
+                rewards = [r for g in self._drawn for r in g.rewards]
+                lengths = [len(s.response_ids) for s in drawn]
                 gen_tokens = sum(lengths)
-                samples_n = len(samples)
-                if samples:
+                samples_n = len(drawn)
+                if drawn:
                     mean = sum(rewards) / len(rewards)
                     metrics.update({
                         "reward/mean": mean,
@@ -434,7 +441,8 @@ class ControllerLoop:
                         "response/length_mean": gen_tokens / len(lengths),
                         "response/length_max": float(max(lengths)),
                         "response/length_min": float(min(lengths)),
-                        "response/truncated_frac": sum(batch.truncated) / len(samples),
+                        "response/truncated_frac":
+                            sum(s.finish_reason == "length" for s in drawn) / len(drawn),
                     })
                 metrics["reward/failed_batches"] = float(self._reward_failures)
                 metrics["sampling/staleness"] = float(self._staleness)

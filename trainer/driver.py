@@ -204,7 +204,7 @@ class Driver:
         results: dict[int, dict[str, Any]] = {}
         pending = dict(self._runs)
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
             self._drain(failed_ok=False)
             for ref in ready:
                 rank = pending.pop(ref)

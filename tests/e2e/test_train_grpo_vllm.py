@@ -33,8 +33,7 @@ def test_grpo_with_vllm_on_two_parallel_controllers(ray_head, nano_model, tmp_pa
            "YATT_RUN_ID": "9"}
     cfg = tiny_config(nano_model, rollout={"engine": "vllm"},
                       algorithm={"name": "grpo", "kl_coef": 0.01,
-                                 "warm_start": {"steps": 10, "batch_size": 16, "lr": 3e-3}},
-                      sampling={"dynamic": True, "max_refills": 1})
+                                 "warm_start": {"steps": 10, "batch_size": 16, "lr": 3e-3}})
     seen: list[int] = []
     try:
         summary = run_training(cfg, tmp_path, env=env, on_step=lambda s, m, d: seen.append(s))

@@ -50,7 +50,8 @@ def test_single_controller_baseline_and_dynamic_sampling(ray_head, nano_model, t
 def test_each_algorithm_completes_a_short_run(ray_head, nano_model, tmp_path, algo):
     cfg = tiny_config(nano_model, algorithm={"name": algo, "kl_coef": 0.0 if algo == "sft" else 0.01,
                                              "warm_start": {"steps": 0}},
-                      train={"max_steps": 2, "batch_size": 4}, checkpoint={"every_steps": 10})
+                      train={"max_steps": 2, "batch_size": 4}, checkpoint={"every_steps": 10},
+                      placement={"mode": "colocate", "devices": 1})
     summary = run_training(cfg, tmp_path, env={})
     assert summary["algorithm"] == algo and summary["steps"] == 2
     last = [x for x in read_metrics(tmp_path) if x["step"] == 2][0]
