@@ -89,15 +89,16 @@ else:
         on_select="rerun",
         selection_mode="single-row",
         key="runs_table",
-        column_order=["id", "name", "state", "experiment", "attempt", "launched by", "pipeline",
+        column_order=["open", "name", "state", "experiment", "attempt", "launched by", "pipeline",
                       "created", "duration", "tags",
-                      *([metric.strip()] if metric.strip() else []), "open"],
+                      *([metric.strip()] if metric.strip() else [])],
         column_config={
-            "id": st.column_config.NumberColumn("run", format="#%d", width="small"),
             "pipeline": st.column_config.LinkColumn("pipeline", display_text="pipeline"),
             "created": st.column_config.DatetimeColumn("created (UTC)",
                                                        format="YYYY-MM-DD HH:mm:ss"),
-            "open": st.column_config.LinkColumn("", display_text="open ↗", width="small"),
+            # the run number, linking to its page (in a new tab; selecting the row opens it here)
+            "open": st.column_config.LinkColumn("run", display_text=r"run=(\d+)$",
+                                                width="small"),
         },
     )
     selected = event.selection.rows if event is not None else []
