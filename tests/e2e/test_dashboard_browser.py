@@ -78,7 +78,7 @@ def test_run_page_draws_live_charts_without_errors(api: SeededApi) -> None:
             page.wait_for_function(
                 "() => document.querySelector('[data-testid=\"stMetricValue\"]')"
                 ".textContent.trim() === '14'",
-                timeout=20_000,
+                timeout=30_000,
             )
 
             # Streamlit scrolls inside its main block: grow the viewport to the content so
@@ -98,7 +98,7 @@ def test_run_page_draws_live_charts_without_errors(api: SeededApi) -> None:
             # the run ends: the page notices by itself and stops refreshing
             with YattClient(api.url, api.token) as c:
                 c.report_state(run_id, "succeeded", summary={"reward/mean": 0.6})
-            page.get_by_text("succeeded", exact=True).first.wait_for(timeout=20_000)
+            page.get_by_text("succeeded", exact=True).first.wait_for(timeout=30_000)
             page.get_by_text("refreshing every 2 s").wait_for(state="detached", timeout=10_000)
             assert not page.get_by_role("button", name="Cancel run").is_visible()
         finally:

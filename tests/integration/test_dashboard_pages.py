@@ -184,7 +184,7 @@ def test_big_run_page_asks_for_downsampled_series(as_admin: SeededApi) -> None:
     for chart in charts:
         assert 2 <= len(chart["data"][0]["x"]) <= 800
         assert chart["data"][0]["x"][-1] == 99_999  # the last point is kept
-    assert took < 20, f"the 200,000-point run page took {took:.1f}s"
+    assert took < 30, f"the 200,000-point run page took {took:.1f}s"
 
 
 def test_metrics_csv_download_holds_every_point(as_admin: SeededApi, client: YattClient) -> None:
