@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from streamlit.testing.v1 import AppTest
 
 from backend.client import YattClient
@@ -279,7 +280,9 @@ def test_launch_shows_field_errors_then_submits_and_lands_on_the_run(
 def test_launch_validates_a_ready_config(as_admin: SeededApi) -> None:
     at = _open("views/launch.py")
     assert at.selectbox(key="l_source").value == "demo-arithmetic.yaml"
-    assert next(w for w in at.number_input if w.label == "Steps").value == 40
+    demo = yaml.safe_load((APP.parents[1] / "configs" / "demo-arithmetic.yaml").read_text())
+    assert next(w for w in at.number_input if w.label == "Steps").value == demo["train"][
+        "max_steps"]  # the form starts from the file
     at.button[0].click().run()
     _no_exception(at)
     assert [s.value for s in at.success] == ["The config is valid."]
