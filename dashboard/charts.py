@@ -87,7 +87,7 @@ _LEARNING_PANELS: tuple[tuple[str, str, str, Callable[[str], bool]], ...] = (
 _DEVICE_PANELS: tuple[tuple[str, str, str], ...] = (
     ("Device utilization", "util_pct", "%"),
     ("Device memory", "memory_mb", "MB"),
-    ("Device busy fraction", "busy_frac", "fraction of the step"),
+    ("Device busy fraction", "busy_frac", "fraction"),
 )
 _DEVICE_CONSTANTS = frozenset({"memory_total_mb"})  # the device's capacity: not worth a chart
 
@@ -327,7 +327,8 @@ def phase_share(spans: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     per_device: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
     for s in spans:
         per_device[s["device"]].append(s)
-    phases = sorted({s["phase"] for s in spans})
+    present = {s["phase"] for s in spans}
+    phases = [p for p in PHASE_COLORS if p in present] + sorted(present - set(PHASE_COLORS))
     rows = []
     for device in sorted(per_device):
         items = per_device[device]

@@ -169,6 +169,7 @@ def test_phase_share_measures_idle_time_per_device() -> None:
     assert rows[0]["rollout"] == pytest.approx(6.0) and rows[0]["reward"] == pytest.approx(4.0)
     assert rows[1]["idle_pct"] == pytest.approx(50.0)
     assert rows[1]["rollout"] == 0.0  # every phase column on every row
+    assert list(rows[0])[1:4] == ["rollout", "reward", "train"]  # in the pipeline's order
     assert phase_share([]) == []
 
 
