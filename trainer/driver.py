@@ -74,7 +74,8 @@ def _remote_classes() -> tuple[Any, Any]:
         def drain(self) -> list[dict[str, Any]]:
             return self.loop.drain()
 
-    RolloutActor = ray.remote(max_concurrency=2)(RolloutWorker)
+    # one call at a time, in submission order: a weight update never races a generate
+    RolloutActor = ray.remote(RolloutWorker)
     return ControllerActor, RolloutActor
 
 
