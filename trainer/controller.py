@@ -499,8 +499,11 @@ class ControllerLoop:
         dm = self.monitor.sample()
         dm[f"device/{self.device}/busy_frac"] = PhaseRecorder.busy_fraction(
             [s for s in spans if s.phase != "rollout_wait"], self.device, t0, t1)
+        # A rollout worker's spans arrive a step late (prefetched while this step trained), so
+        # its busy fraction is its busy time per step of this controller, not a clipped window.
         for d in {s.device for s in spans if s.device != self.device}:
-            dm[f"device/{d}/busy_frac"] = PhaseRecorder.busy_fraction(spans, d, t0, t1)
+            busy_d = sum(s.end - s.start for s in spans if s.device == d)
+            dm[f"device/{d}/busy_frac"] = min(1.0, busy_d / wall)
         dm.update(self._device_metrics)
         self._device_metrics = {}
         out.update(dm)
