@@ -153,9 +153,9 @@ def _charts(run_id: int, x: str) -> None:
     extra = [p for p in panels if not p.primary]
     if extra:
         with st.expander(f"More metrics: {', '.join(p.title for p in extra)}"):
-            cols = st.columns(3)
+            small = st.columns(3)
             for i, panel in enumerate(extra):
-                with cols[i % 3]:
+                with small[i % 3]:
                     st.plotly_chart(line_figure(panel, series, x=x, height=220),
                                     key=f"chart-{panel.title}", config={"displaylogo": False})
 
