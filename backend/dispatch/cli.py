@@ -122,7 +122,9 @@ def up(
     api_port: int = typer.Option(8000, help="Port of the HTTP API."),
     dashboard_port: int = typer.Option(8501, help="Port of the Streamlit dashboard."),
     ray_dashboard_port: int = typer.Option(8265, help="Port of the local Ray dashboard / Jobs API."),
-    ray_port: int = typer.Option(6390, help="Port of the local Ray head (GCS)."),
+    ray_port: int = typer.Option(
+        6390, help="Port of the local Ray head (GCS); not in 10002-19999, Ray's worker ports."
+    ),
     host: str = typer.Option("127.0.0.1", help="Interface the API and dashboard listen on."),
     project: str = typer.Option("default", help="Project of the local admin token."),
     demo: bool = typer.Option(False, help="Also submit configs/demo-arithmetic.yaml."),
@@ -148,11 +150,11 @@ def up(
     logs = data_dir / "logs"
     logs.mkdir(exist_ok=True)
 
-    def spawn(name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(name: str, args: list[str], **extra_env: str) -> subprocess.Popen[bytes]:
         out = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen(
             [sys.executable, "-m", "backend.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, env=os.environ.copy(),
+            start_new_session=True, env={**os.environ, **extra_env},
         )
         children.append(proc)
         return proc
@@ -185,7 +187,9 @@ def up(
         spawn("worker", ["worker"])
         dash_url = None
         if dashboard and _streamlit_installed():
-            spawn("dashboard", ["dashboard", "--port", str(dashboard_port), "--api-url", api_url])
+            # the dashboard opens signed in with the stack's admin token
+            spawn("dashboard", ["dashboard", "--port", str(dashboard_port), "--api-url", api_url],
+                  YATT_TOKEN=token)
             dash_url = f"http://{host}:{dashboard_port}"
         _wait_http(f"{api_url}/healthz", 60, api)
         typer.echo(f"API:        {api_url}/api/v1   (docs: {api_url}/docs)")

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,12 @@ class LocalHead:
 
     def alive(self) -> bool:
         return psutil.pid_exists(self.pid) and RayCluster(self.dashboard_url).ping()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def count_devices() -> int:
@@ -93,6 +100,12 @@ def start_head(
         f"--resources={json.dumps({DEVICE_RESOURCE: devices})}",
         "--include-dashboard=true",
         "--disable-usage-stats",
+        # Ray's agents otherwise take fixed ports (52365, ...): a second head on the machine
+        # would find them taken and refuse jobs ("No available agent to submit job").
+        *(f"--{flag}={_free_port()}" for flag in (
+            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+            "runtime-env-agent-port", "ray-client-server-port",
+        )),
     ]
     log_file = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(
