@@ -27,7 +27,13 @@ class DeviceMonitor:
         self._nvml: Any = None
         self._handle: Any = None
         if device_type == "gpu":
-            self._open_nvml(gpu_index or 0)
+            self._open_nvml(self._physical_gpu() if gpu_index is None else gpu_index)
+
+    @staticmethod
+    def _physical_gpu() -> int:
+        # NVML numbers GPUs physically; Ray pins an actor to one through CUDA_VISIBLE_DEVICES.
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        return int(first) if first.isdigit() else 0
 
     def _open_nvml(self, gpu_index: int) -> None:
         try:
