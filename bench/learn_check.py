@@ -11,6 +11,7 @@ accuracy after the warm start and after RL, with the time each phase took. It si
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import tempfile
 import time
@@ -47,6 +48,20 @@ def accuracy(engine, examples, reward) -> float:
     return sum(scores) / len(scores)
 
 
+@torch.no_grad()
+def greedy_accuracy(model, tok, examples, reward) -> float:
+    """Greedy exact-match accuracy of a transformers model (batched, left-padded)."""
+    was_training = model.training
+    model.eval()
+    enc = tok([e.prompt for e in examples], return_tensors="pt", padding=True,
+              add_special_tokens=False)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id)
+    texts = tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    model.train(was_training)
+    scores = reward([e.prompt for e in examples], texts, [e.answer for e in examples])
+    return sum(scores) / len(scores)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="micro", choices=["nano", "micro", "small"])
@@ -54,6 +69,12 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=900)
     ap.add_argument("--sft-lr", type=float, default=1e-3)
     ap.add_argument("--sft-batch", type=int, default=64)
+    ap.add_argument("--sft-target-acc", type=float, default=None,
+                    help="stop SFT early once greedy accuracy on a dev split (held out of SFT) "
+                    "reaches this; --sft-steps is then the cap")
+    ap.add_argument("--sft-check-every", type=int, default=50)
+    ap.add_argument("--sft-schedule", default="constant", choices=["constant", "cosine"],
+                    help="cosine: linear warmup over 5%% of the steps, then cosine decay to 0")
     ap.add_argument("--rl-steps", type=int, default=40)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--prompts", type=int, default=16)
@@ -94,20 +115,39 @@ def main() -> None:
     # --- SFT warm start
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(args.seed)
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
-    policy.train()
-    loss = torch.tensor(float("nan"))
     cached = args.sft_cache is not None and args.sft_cache.exists()
     if cached:
         policy = AutoModelForCausalLM.from_pretrained(args.sft_cache)
-    for _ in range(0 if cached else args.sft_steps):
-        idx = torch.randint(len(train), (args.sft_batch,), generator=gen).tolist()
-        batch = sft_batch(tok, [train[i].prompt for i in idx], [sft_target(train[i]) for i in idx])
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.sft_lr)
+    warm = max(1, args.sft_steps // 20)
+
+    def sft_lr_factor(step: int) -> float:
+        if args.sft_schedule == "constant":
+            return 1.0
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, args.sft_steps - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, sft_lr_factor)
+    policy.train()
+    loss = torch.tensor(float("nan"))
+    dev = train[-128:]  # for the early stop only: never trained on, never the eval set
+    sft_pool = train[:-128] if args.sft_target_acc is not None else train
+    sft_done = 0
+    for step in range(0 if cached else args.sft_steps):
+        if (args.sft_target_acc is not None and step and step % args.sft_check_every == 0
+                and greedy_accuracy(policy, tok, dev, reward) >= args.sft_target_acc):
+            break
+        sft_done = step + 1
+        idx = torch.randint(len(sft_pool), (args.sft_batch,), generator=gen).tolist()
+        batch = sft_batch(tok, [sft_pool[i].prompt for i in idx],
+                          [sft_target(sft_pool[i]) for i in idx])
         loss = sft_loss(response_logits(policy, batch), batch.response_ids, batch.response_mask)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
+        sched.step()
     t_sft = time.perf_counter() - t0
     if args.sft_cache is not None and not cached:
         policy.save_pretrained(args.sft_cache)
@@ -119,7 +159,7 @@ def main() -> None:
     t_engine = time.perf_counter() - t0
     acc_start = accuracy(engine, evals, reward)
     sft = (f"SFT loaded from {args.sft_cache}" if cached else
-           f"SFT {args.sft_steps}x{args.sft_batch} in {t_sft:.1f}s (loss {float(loss):.3f})")
+           f"SFT {sft_done}x{args.sft_batch} in {t_sft:.1f}s (loss {float(loss):.3f})")
     print(f"model {args.preset} ({n_params / 1e6:.2f}M params) built in {t_build:.1f}s; {sft}; "
           f"{args.engine} engine up in {t_engine:.1f}s", flush=True)
     print(f"accuracy_start {acc_start:.3f}", flush=True)
