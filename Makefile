@@ -27,7 +27,7 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
 test: install browser
-	$(BIN)/python -m pytest tests -x -q --durations=15
+	$(BIN)/python -m pytest tests -q --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest tests -q -m "not slow"
