@@ -311,16 +311,18 @@ class ControllerLoop:
             for i in range(ws.steps):
                 batch = stream.take(per_rank)
                 m = self.learner.sft_step([e.prompt for e in batch], [sft_target(e) for e in batch], opt)
-                if (i + 1) % 100 == 0 or i + 1 == ws.steps:
-                    self._emit({"type": "progress", "message":
-                                f"warm start {i + 1}/{ws.steps}: loss {m['loss/sft']:.3f}"})
+                if (i + 1) % 25 == 0 or i + 1 == ws.steps:
+                    # the loss curve reaches the API while the warm start runs (minutes on a CPU)
+                    self._emit({"type": "progress", "step": i + 1,
+                                "print": (i + 1) % 100 == 0 or i + 1 == ws.steps,
+                                "metrics": {"warm_start/loss": m["loss/sft"]},
+                                "message": f"warm start {i + 1}/{ws.steps}: loss {m['loss/sft']:.3f}"})
         if self.learner.reference is not None:  # KL is measured from the warmed-up policy
             self.learner.reference.load_state_dict(self.learner.policy.state_dict())
         self.state["warm_start_done"] = True
         self.recorder.take()
         self._emit({"type": "metrics", "step": 0,
-                    "metrics": {"warm_start/loss": m.get("loss/sft", float("nan")),
-                                "warm_start/time_s": time.time() - t0,
+                    "metrics": {"warm_start/time_s": time.time() - t0,
                                 "warm_start/steps": float(ws.steps)}})
 
     def _evaluate(self, when: str) -> float | None:

@@ -255,7 +255,10 @@ class Driver:
                 self.on_message(rec["message"])
         elif kind == "progress":
             if rec["rank"] == 0:
-                self.on_message(rec["message"])
+                if rec.get("metrics"):
+                    self.reporter.log_metrics(rec["step"], rec["metrics"])
+                if rec.get("print", True):
+                    self.on_message(rec["message"])
         elif kind == "checkpoint":
             self.reporter.log_checkpoint(rec["step"], rec["path"], rec["size_bytes"], rec["metrics"])
         elif kind == "metrics":

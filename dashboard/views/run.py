@@ -121,7 +121,9 @@ def _buttons(run: dict[str, Any]) -> str:
 
 def _summary_row(keys: list[dict[str, Any]]) -> None:
     latest = {k["key"]: k.get("latest") for k in keys}
-    latest["step"] = max((k.get("latest_step") or 0) for k in keys)
+    # the RL step; the SFT warm start counts its own steps (warm_start/*) until RL begins
+    rl = [k for k in keys if not k["key"].startswith("warm_start/")]
+    latest["step"] = max((k.get("latest_step") or 0) for k in rl or keys)
     wanted = [
         ("step", "step"),
         ("throughput/gen_tokens_per_s", "tokens/s"),

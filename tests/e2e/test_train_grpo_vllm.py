@@ -69,6 +69,8 @@ def test_grpo_with_vllm_on_two_parallel_controllers(ray_head, nano_model, tmp_pa
     assert states == ["running", "succeeded"]
     posted_steps = {p["step"] for p in api.points() if p["key"] == "reward/mean"}
     assert posted_steps == {1, 2, 3}
+    # the SFT warm start's loss curve is reported while it runs (every 25 steps and its last)
+    assert {p["step"] for p in api.points() if p["key"] == "warm_start/loss"} == {10}
     assert any(p.endswith("/checkpoints") for p, _, _ in api.received)
     assert all(auth == "Bearer run-token" for _, _, auth in api.received)
 
