@@ -203,6 +203,9 @@ def up(
             run = _submit_demo(api_url, token)
             typer.echo(f"demo run {run['id']} submitted ({run['state']}): yatt runs show {run['id']}")
         typer.echo("Ctrl-C stops everything this command started.")
+        # Ctrl-C and SIGTERM both stop the stack, even when started where SIGINT was ignored
+        # (a shell's background job).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         while True:
             for proc in children:
