@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.auth.routes import router as auth_router
 from backend.db import Database
+from backend.dispatch import routes as dispatch_routes
 from backend.metrics.routes import router as metrics_router
 from backend.runs.routes import router as runs_router
 from backend.runs.service import IdempotencyConflict, InvalidQuery, RunNotFound
@@ -24,10 +24,6 @@ from trainer.config import ConfigError
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/api/v1"
-# Optional routers that live beside the code they serve: a module that is not written yet is
-# simply absent. Each exposes `router` and, optionally, `install(app)` (e.g. to register a
-# run-state hook with backend.runs.service.add_state_hook).
-PLUGINS = ("backend.dispatch.routes",)
 
 
 class BodySizeLimit:
@@ -150,15 +146,6 @@ def create_app(settings: Settings | None = None, database: Database | None = Non
     app.include_router(auth_router, prefix=API_PREFIX)
     app.include_router(runs_router, prefix=API_PREFIX)
     app.include_router(metrics_router, prefix=API_PREFIX)
-    for name in PLUGINS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and name.startswith(exc.name):
-                continue
-            raise
-        if hasattr(module, "router"):
-            app.include_router(module.router, prefix=API_PREFIX)
-        if hasattr(module, "install"):
-            module.install(app)
+    app.include_router(dispatch_routes.router, prefix=API_PREFIX)
+    dispatch_routes.install(app)
     return app

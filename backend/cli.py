@@ -11,21 +11,13 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="yatt: manage
 
 
 def _register() -> None:
-    # Each module exposes `register(app)`; a module that is not written yet is simply absent.
-    import importlib
+    # Each module exposes `register(app)` and imports its heavy dependencies lazily.
+    from backend import cli_service
+    from backend.dispatch import cli as dispatch_cli
+    from dashboard import cli as dashboard_cli
+    from trainer import cli as trainer_cli
 
-    for name in (
-        "backend.cli_service",  # api, db, token, submit, runs, metrics, logs
-        "backend.dispatch.cli",  # worker, up
-        "trainer.cli",  # train, make-tiny-model
-        "dashboard.cli",  # dashboard
-    ):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and name.startswith(exc.name):
-                continue
-            raise
+    for module in (cli_service, dispatch_cli, trainer_cli, dashboard_cli):
         module.register(app)
 
 
