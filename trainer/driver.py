@@ -256,7 +256,7 @@ class Driver:
         elif kind == "progress":
             if rec["rank"] == 0:
                 if rec.get("metrics"):
-                    self.reporter.log_metrics(rec["step"], rec["metrics"])
+                    self.reporter.log_warm_start(rec["step"], rec["metrics"])
                 if rec.get("print", True):
                     self.on_message(rec["message"])
         elif kind == "checkpoint":

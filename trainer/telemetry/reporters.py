@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 class Reporter(Protocol):
     def log_metrics(self, step: int, metrics: dict[str, float], time_s: float | None = None) -> None: ...
+    def log_warm_start(self, step: int, metrics: dict[str, float]) -> None: ...
     def log_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None: ...
     def log_checkpoint(self, step: int, path: str, size_bytes: int, metrics: dict[str, float]) -> None: ...
     def set_state(self, state: str, reason: str | None = None, summary: dict[str, Any] | None = None) -> None: ...
@@ -53,6 +54,10 @@ class JsonlReporter:
 
     def log_metrics(self, step: int, metrics: dict[str, float], time_s: float | None = None) -> None:
         self._append("metrics.jsonl", {"step": step, "time": time_s or time.time(), **_finite(metrics)})
+
+    def log_warm_start(self, step: int, metrics: dict[str, float]) -> None:
+        # SFT warm-start steps have their own axis: metrics.jsonl keeps one line per RL step
+        self._append("warm_start.jsonl", {"step": step, "time": time.time(), **_finite(metrics)})
 
     def log_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self._append("events.jsonl",
@@ -114,6 +119,9 @@ class HttpReporter:
         t = time_s or time.time()
         self._put([("metrics", {"key": k, "step": step, "value": v, "time": t})
                    for k, v in _finite(metrics).items()])
+
+    def log_warm_start(self, step: int, metrics: dict[str, float]) -> None:
+        self.log_metrics(step, metrics)  # the keys (warm_start/*) keep the series apart
 
     def log_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self._put([("events", {"kind": kind, "message": message, "data": data or {},
@@ -252,6 +260,10 @@ class MultiReporter:
     def log_metrics(self, step: int, metrics: dict[str, float], time_s: float | None = None) -> None:
         for r in self.reporters:
             r.log_metrics(step, metrics, time_s)
+
+    def log_warm_start(self, step: int, metrics: dict[str, float]) -> None:
+        for r in self.reporters:
+            r.log_warm_start(step, metrics)
 
     def log_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         for r in self.reporters:
