@@ -4,6 +4,7 @@ from backend.auth.models import ApiToken, Project, Role
 from backend.db import Base
 from backend.dispatch.models import RunLog
 from backend.metrics.models import MetricPoint, MetricSummary
+from backend.metrics.sort_index import RunMetricValue
 from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
 
 metadata = Base.metadata
@@ -21,6 +22,7 @@ __all__ = [
     "RunAttempt",
     "RunEvent",
     "RunLog",
+    "RunMetricValue",
     "RunTag",
     "metadata",
 ]

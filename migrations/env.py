@@ -10,6 +10,7 @@ from sqlalchemy.engine import Connection
 
 from backend.db import Database
 from backend.models import metadata
+from backend.runs.search import include_object
 from backend.settings import get_settings
 
 config = context.config
@@ -28,6 +29,7 @@ def _configure(connection: Connection | None = None, url: str | None = None) -> 
         target_metadata=metadata,
         compare_type=True,
         compare_server_default=True,
+        include_object=include_object,  # the search index is made by backend.runs.search
         # SQLite cannot ALTER most things: batch mode rebuilds the table instead.
         render_as_batch=True,
         literal_binds=connection is None,

@@ -13,6 +13,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from backend.metrics import sort_index
 from backend.metrics.models import MetricPoint, MetricSummary
 from backend.metrics.schemas import MetricPointIn
 
@@ -66,6 +67,7 @@ def ingest(*, db_session: Session, run_id: int, points: Sequence[MetricPointIn])
         db_session,
         [{"run_id": run_id, "key": key, **vars(s)} for key, s in stats.items()],
     )
+    sort_index.sync(db_session=db_session, run_id=run_id, keys=list(stats))
     return len(rows)
 
 

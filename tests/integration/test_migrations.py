@@ -19,6 +19,7 @@ from sqlalchemy import inspect, text
 from backend.db import Database
 from backend.migrate import alembic_config, upgrade
 from backend.models import metadata
+from backend.runs.search import include_object
 from tests.conftest import PG_ADMIN_URL
 
 
@@ -39,7 +40,8 @@ def schema_diff(url: str) -> list[object]:
     try:
         with db.engine.connect() as conn:
             context = MigrationContext.configure(
-                conn, opts={"compare_type": True, "compare_server_default": True}
+                conn,
+                opts={"compare_type": True, "compare_server_default": True, "include_object": include_object},
             )
             return list(compare_metadata(context, metadata))
     finally:
