@@ -151,8 +151,9 @@ class YattClient:
         return self.request("POST", "/runs", json=body, headers=headers)  # type: ignore[no-any-return]
 
     def list_runs(self, *, cursor: str | None = None, limit: int = 50, **filters: Any) -> dict[str, Any]:
-        """One page: `{"items": [...], "next_cursor": ...}`. Filters: state, experiment, tag,
-        launched_by, q, created_since, created_until, sort, metrics."""
+        """One page: `{"items": [...], "next_cursor": ...}`; items are History rows (no config).
+        Filters: state, experiment, tag, launched_by, q, created_since, created_until, sort,
+        where (metric filters such as `["reward/mean>=0.5"]`), metrics."""
         params = {k: v for k, v in filters.items() if v not in (None, "", [])}
         params["limit"] = limit
         if cursor:
@@ -221,6 +222,15 @@ class YattClient:
         if max_points:
             params["max_points"] = max_points
         return self.request("GET", f"/runs/{run_id}/metrics", params=params)["series"]  # type: ignore[no-any-return]
+
+    def compare(
+        self, run_ids: Sequence[int], keys: Sequence[str] = (), *, max_points: int = 500
+    ) -> list[dict[str, Any]]:
+        """Up to 20 runs in one request: `[{"run", "config", "keys", "series"}]`, in the order asked."""
+        params: dict[str, Any] = {"runs": ",".join(map(str, run_ids)), "max_points": max_points}
+        if keys:
+            params["keys"] = ",".join(keys)
+        return self.request("GET", "/runs/compare", params=params)["runs"]  # type: ignore[no-any-return]
 
     def metric_keys(self, run_id: int) -> list[dict[str, Any]]:
         """`[{"key","latest","latest_step","min","max","count"}]`."""

@@ -36,6 +36,8 @@ from backend.runs.schemas import (
     AttemptOut,
     CheckpointIn,
     CheckpointOut,
+    CompareRun,
+    Comparison,
     ConfigValid,
     ConfigValidate,
     EventBatch,
@@ -44,6 +46,7 @@ from backend.runs.schemas import (
     ExperimentOut,
     RunAction,
     RunCreate,
+    RunListItem,
     RunOut,
     RunPage,
     StateUpdate,
@@ -167,23 +170,41 @@ def list_runs(
     experiment: Annotated[str | None, Query(description="Experiment name.")] = None,
     tag: Annotated[list[str] | None, Query(description="Runs carrying every given tag.")] = None,
     launched_by: Annotated[str | None, Query(pattern="^(user|ci)$")] = None,
-    q: Annotated[str | None, Query(max_length=200, description="Text in name or description.")] = None,
+    q: Annotated[
+        str | None,
+        Query(
+            max_length=200,
+            description="Words to find in name, experiment, tags or description (each as a "
+            "prefix, all required); ranked by relevance unless `sort` is given.",
+        ),
+    ] = None,
     created_since: datetime | None = None,
     created_until: datetime | None = None,
     sort: Annotated[
-        str,
+        str | None,
         Query(
             max_length=201,
-            description="`created_at`, `priority` or a metric key (by its latest value); "
-            "prefix `-` for descending. Runs without the metric come last.",
+            description="`created_at`, `priority`, `relevance` (with `q`) or a metric key (by "
+            "its latest value); prefix `-` for descending. Runs without the metric come last "
+            "either way. Default: `-relevance` with `q`, else `-created_at`.",
             examples=["-created_at", "-reward/mean"],
         ),
-    ] = "-created_at",
+    ] = None,
+    where: Annotated[
+        list[str] | None,
+        Query(
+            max_length=250,
+            description="Metric filters `KEY OP NUMBER` (OP: > >= < <= =) on the latest value; "
+            "repeat for several (all must hold). Runs without the metric do not match.",
+            examples=["reward/mean>=0.5"],
+        ),
+    ] = None,
     metrics: Annotated[str | None, Query(description="Comma-separated metric keys to include.")] = None,
     cursor: str | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> RunPage:
-    """A page of the project's runs, filtered and sorted; follow `next_cursor` for more."""
+    """A page of the project's runs as the History table shows them (no config: see
+    `GET /runs/{id}`), filtered and sorted; follow `next_cursor` for more."""
     try:
         states = [RunState(s) for s in _csv(state)]
     except ValueError:
@@ -200,11 +221,44 @@ def list_runs(
         cursor=cursor,
         limit=limit,
         metric_keys=_csv(metrics),
+        metric_filters=[service.parse_metric_filter(w) for w in where or []],
     )
-    runs, summaries, next_cursor = service.list_runs(
+    runs, summaries, next_cursor, scores = service.list_runs(
         db_session=db_session, project_id=principal.project_id, query=query
     )
-    return RunPage(items=[RunOut.of(r, summaries.get(r.id)) for r in runs], next_cursor=next_cursor)
+    return RunPage(
+        items=[RunListItem.of(r, summaries.get(r.id), scores.get(r.id)) for r in runs],
+        next_cursor=next_cursor,
+    )
+
+
+@router.get("/runs/compare", response_model=Comparison, tags=["runs"])
+def compare_runs(
+    principal: Reader,
+    db_session: ReadSessionDep,
+    runs: Annotated[str, Query(description="Comma-separated run ids, 1 to 20.", examples=["12,15,19"])],
+    keys: Annotated[str | None, Query(description="Comma-separated metric keys to return as series.")] = None,
+    max_points: Annotated[int, Query(ge=2, le=5000, description="Points per series at most.")] = 500,
+) -> Comparison:
+    """Runs side by side in one request: each run's row, config and metric keys, and the
+    chosen metrics' series, downsampled. A run not in the project is a 404."""
+    try:
+        run_ids = [int(v) for v in _csv(runs)]
+    except ValueError:
+        raise HTTPException(422, "runs must be comma-separated run ids") from None
+    compared = service.compare_runs(
+        db_session=db_session,
+        project_id=principal.project_id,
+        run_ids=run_ids,
+        keys=_csv(keys),
+        max_points=max_points,
+    )
+    return Comparison(
+        runs=[
+            CompareRun(run=RunListItem.of(c.run), config=c.run.config, keys=c.keys, series=c.series)
+            for c in compared
+        ]
+    )
 
 
 @router.get("/runs/{run_id}", response_model=RunOut, tags=["runs"])

@@ -121,8 +121,42 @@ class RunOut(BaseModel):
         return cls(**data, experiment=run.experiment.name, metrics=summaries)
 
 
+class RunListItem(BaseModel):
+    """A run as the History table shows it: `GET /runs/{id}` has the config and the rest."""
+
+    id: int
+    project_id: int
+    experiment_id: int
+    experiment: str
+    name: str
+    state: RunState
+    attempt: int
+    max_attempts: int
+    priority: int
+    tags: list[str]
+    launched_by: Literal["user", "ci"]
+    launched_by_name: str
+    ci: dict[str, Any] | None
+    summary: dict[str, Any] | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    metrics: dict[str, MetricSummaryOut] = Field(
+        default_factory=dict, description="Summaries of the sort key and the requested `metrics`."
+    )
+    score: float | None = Field(None, description="Relevance to `q` when sorted by relevance; higher is better.")
+
+    @classmethod
+    def of(cls, run: Any, metrics: dict[str, dict[str, Any]] | None = None, score: float | None = None) -> RunListItem:
+        skip = ("experiment", "metrics", "score")
+        data = {name: getattr(run, name) for name in cls.model_fields if name not in skip}
+        summaries = {k: MetricSummaryOut(**v) for k, v in (metrics or {}).items()}
+        return cls(**data, experiment=run.experiment.name, metrics=summaries, score=score)
+
+
 class RunPage(BaseModel):
-    items: list[RunOut]
+    items: list[RunListItem]
     next_cursor: str | None = Field(None, description="Pass as `cursor` for the next page.")
 
 
@@ -250,3 +284,18 @@ class CheckpointOut(BaseModel):
 
 class Accepted(BaseModel):
     accepted: int
+
+
+class CompareRun(BaseModel):
+    """One run of a comparison: its row, its config, its metric keys and the chosen series."""
+
+    run: RunListItem
+    config: dict[str, Any]
+    keys: list[str] = Field(description="Every metric key the run has reported.")
+    series: dict[str, list[dict[str, Any]]] = Field(
+        description="The chosen keys' points (`step`, `value`, `time`), at most `max_points` each."
+    )
+
+
+class Comparison(BaseModel):
+    runs: list[CompareRun]

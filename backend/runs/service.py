@@ -12,18 +12,23 @@ import binascii
 import hashlib
 import json
 import logging
+import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, case, func, or_, select
+from sqlalchemy import ColumnElement, and_, exists, func, null, or_, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session, aliased, load_only
 
 from backend.auth.service import Principal
 from backend.db import after_commit, utcnow
+from backend.metrics import service as metric_service
 from backend.metrics.models import MetricSummary
+from backend.metrics.sort_index import RunMetricValue
+from backend.runs import search
 from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
 from backend.runs.schemas import CheckpointIn, EventIn, RunCreate
 from backend.runs.state import TERMINAL, IllegalTransition, RunState, check_transition
@@ -445,14 +450,17 @@ def runs_in_states(*, db_session: Session, states: Sequence[RunState]) -> list[R
     )
 
 
-# --- listing: filters, sort by column or summary metric, keyset cursor -------------------------
+# --- listing: filters, sort by column, relevance or summary metric, keyset cursor -----------
 
 SORT_COLUMNS = {"created_at", "priority"}
+RELEVANCE = "relevance"
+METRIC_OPS = {">": "__gt__", ">=": "__ge__", "<": "__lt__", "<=": "__le__", "=": "__eq__"}
+_METRIC_FILTER = re.compile(r"^(?P<key>.+?)(?P<op>>=|<=|>|<|=)(?P<value>[^<>=]+)$")
 
 
 @dataclass
 class RunQuery:
-    """What `GET /runs` asks for."""
+    """What `GET /runs` asks for. With `text` and no `sort`, the best matches come first."""
 
     states: list[RunState] = field(default_factory=list)
     experiment: str | None = None
@@ -461,10 +469,27 @@ class RunQuery:
     text: str | None = None
     created_since: datetime | None = None
     created_until: datetime | None = None
-    sort: str = "-created_at"
+    sort: str | None = None
     cursor: str | None = None
     limit: int = 50
     metric_keys: list[str] = field(default_factory=list)
+    metric_filters: list[tuple[str, str, float]] = field(default_factory=list)
+
+
+def parse_metric_filter(expression: str) -> tuple[str, str, float]:
+    """`"reward/mean>=0.5"` → `("reward/mean", ">=", 0.5)`; raises InvalidQuery."""
+    match = _METRIC_FILTER.match(expression.strip())
+    try:
+        if match is None:
+            raise ValueError
+        value = float(match["value"])
+        if not math.isfinite(value):
+            raise ValueError
+    except ValueError:
+        raise InvalidQuery(
+            f"metric filter {expression!r} must read KEY OP NUMBER with OP one of > >= < <= ="
+        ) from None
+    return match["key"].strip(), match["op"], value
 
 
 def _encode_cursor(sort: str, is_null: int, value: Any, run_id: int) -> str:
@@ -483,32 +508,35 @@ def _decode_cursor(cursor: str, sort: str) -> tuple[int, Any, int]:
     return int(is_null), value, int(run_id)
 
 
+# What a listing loads of each run: the History table's columns, not the config.
+_LIST_COLUMNS = (
+    Run.id, Run.project_id, Run.experiment_id, Run.name, Run.state, Run.attempt,
+    Run.max_attempts, Run.priority, Run.launched_by, Run.launched_by_name, Run.ci, Run.summary,
+    Run.created_at, Run.updated_at, Run.started_at, Run.finished_at,
+)
+
+
 def list_runs(
     *, db_session: Session, project_id: int, query: RunQuery
-) -> tuple[list[Run], dict[int, dict[str, dict[str, Any]]], str | None]:
-    """One page of a project's runs: (runs, {run_id: {key: summary}}, next cursor or None)."""
-    desc = query.sort.startswith("-")
-    sort_key = query.sort.lstrip("-+")
-    if not sort_key:
-        raise InvalidQuery("sort must name a column or a metric key")
-    stmt = select(Run).where(Run.project_id == project_id)
-    nullable = False
-    sort_expr: Any
-    if sort_key == "created_at":
-        sort_expr = Run.id  # ids grow with creation time
-    elif sort_key == "priority":
-        sort_expr = Run.priority
-    else:
-        summary = aliased(MetricSummary)
-        stmt = stmt.outerjoin(summary, and_(summary.run_id == Run.id, summary.key == sort_key))
-        sort_expr = summary.latest
-        nullable = True
-    stmt = stmt.add_columns(sort_expr)
+) -> tuple[list[Run], dict[int, dict[str, dict[str, Any]]], str | None, dict[int, float]]:
+    """One page of a project's runs: (runs, {run_id: {key: summary}}, next cursor or None,
+    {run_id: relevance score} when searching). Raises InvalidQuery.
 
+    Every sort pages by keyset on (sort value, run id). A metric sort walks the metric sort
+    index in the direction asked, then the runs without a value for the key (by id, in the
+    same direction): missing values come last both ways."""
+    sort = query.sort or ("-" + RELEVANCE if query.text else "-created_at")
+    desc = sort.startswith("-")
+    sort_key = sort.lstrip("-+")
+    if not sort_key:
+        raise InvalidQuery("sort must name a column, relevance or a metric key")
+    dialect = db_session.get_bind().dialect.name
+
+    base = select(Run).where(Run.project_id == project_id).options(load_only(*_LIST_COLUMNS))
     if query.states:
-        stmt = stmt.where(Run.state.in_([s.value for s in query.states]))
+        base = base.where(Run.state.in_([s.value for s in query.states]))
     if query.experiment:
-        stmt = stmt.where(
+        base = base.where(
             Run.experiment_id.in_(
                 select(Experiment.id).where(
                     Experiment.project_id == project_id, Experiment.name == query.experiment
@@ -516,57 +544,82 @@ def list_runs(
             )
         )
     for tag in query.tags:
-        stmt = stmt.where(Run.id.in_(select(RunTag.run_id).where(RunTag.tag == tag)))
+        base = base.where(Run.id.in_(select(RunTag.run_id).where(RunTag.tag == tag)))
     if query.launched_by:
-        stmt = stmt.where(Run.launched_by == query.launched_by)
-    if query.text:
-        escaped = query.text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        pattern = f"%{escaped}%"
-        stmt = stmt.where(
-            or_(
-                func.lower(Run.name).like(pattern, escape="\\"),
-                func.lower(Run.description).like(pattern, escape="\\"),
+        base = base.where(Run.launched_by == query.launched_by)
+    if query.created_since:
+        base = base.where(Run.created_at >= query.created_since)
+    if query.created_until:
+        base = base.where(Run.created_at < query.created_until)
+    for key, op, number in query.metric_filters:
+        rmv = aliased(RunMetricValue)
+        base = base.where(
+            Run.id.in_(
+                select(rmv.run_id).where(
+                    rmv.project_id == project_id, rmv.key == key, getattr(rmv.value, METRIC_OPS[op])(number)
+                )
             )
         )
-    if query.created_since:
-        stmt = stmt.where(Run.created_at >= query.created_since)
-    if query.created_until:
-        stmt = stmt.where(Run.created_at < query.created_until)
+    hits = None
+    if query.text:
+        try:
+            hits = search.matches(dialect, query.text).subquery("hits")
+        except ValueError as exc:
+            raise InvalidQuery(f"q: {exc}") from None
+        base = base.join(hits, hits.c.run_id == Run.id)
 
     def beyond(a: Any, b: Any) -> ColumnElement[bool]:
         return a < b if desc else a > b
 
-    if query.cursor:
-        is_null, value, last_id = _decode_cursor(query.cursor, query.sort)
-        if not nullable:
-            stmt = stmt.where(or_(beyond(sort_expr, value), and_(sort_expr == value, beyond(Run.id, last_id))))
-        elif not is_null:
-            stmt = stmt.where(
-                or_(
-                    sort_expr.is_(None),
-                    beyond(sort_expr, value),
-                    and_(sort_expr == value, beyond(Run.id, last_id)),
-                )
-            )
-        else:
-            stmt = stmt.where(and_(sort_expr.is_(None), beyond(Run.id, last_id)))
+    def ordered(expr: Any) -> Any:
+        return expr.desc() if desc else expr.asc()
 
-    order: list[Any] = []
-    if nullable:  # runs without the metric come last, whatever the direction
-        order.append(case((sort_expr.is_(None), 1), else_=0))
-    order += [sort_expr.desc() if desc else sort_expr.asc()]
-    if sort_key != "created_at":
-        order.append(Run.id.desc() if desc else Run.id.asc())
-    rows: list[Any] = list(db_session.execute(stmt.order_by(*order).limit(query.limit + 1)).unique().all())
+    cursor = _decode_cursor(query.cursor, sort) if query.cursor else None
+    want = query.limit + 1
+    rows: list[Any]
+    if sort_key in SORT_COLUMNS or sort_key == RELEVANCE:
+        if sort_key == RELEVANCE:
+            if hits is None:
+                raise InvalidQuery("sort=relevance needs a search text (q)")
+            sort_expr: Any = hits.c.score
+        else:
+            sort_expr = Run.id if sort_key == "created_at" else Run.priority  # ids grow with time
+        stmt = base.add_columns(sort_expr)
+        if cursor is not None:
+            _, value, last_id = cursor
+            stmt = stmt.where(or_(beyond(sort_expr, value), and_(sort_expr == value, beyond(Run.id, last_id))))
+        order = [ordered(sort_expr)] + ([ordered(Run.id)] if sort_key != "created_at" else [])
+        rows = list(db_session.execute(stmt.order_by(*order).limit(want)).unique().all())
+    else:
+        rmv = aliased(RunMetricValue)
+        has_value = and_(
+            rmv.run_id == Run.id, rmv.project_id == project_id, rmv.key == sort_key, rmv.value.is_not(None)
+        )
+        rows = []
+        if cursor is None or not cursor[0]:  # the runs with a value, unless the cursor is past them
+            stmt = base.join(rmv, has_value).add_columns(rmv.value)
+            if cursor is not None:
+                _, value, last_id = cursor
+                stmt = stmt.where(or_(beyond(rmv.value, value), and_(rmv.value == value, beyond(Run.id, last_id))))
+            stmt = stmt.order_by(ordered(rmv.value), ordered(Run.id)).limit(want)
+            rows = list(db_session.execute(stmt).unique().all())
+        if len(rows) < want:  # then the runs without one
+            missing = base.where(~exists().where(has_value)).add_columns(null())
+            if cursor is not None and cursor[0]:
+                missing = missing.where(beyond(Run.id, cursor[2]))
+            missing = missing.order_by(ordered(Run.id)).limit(want - len(rows))
+            rows += list(db_session.execute(missing).unique().all())
 
     next_cursor = None
     if len(rows) > query.limit:
         rows = rows[: query.limit]
         last_run, last_value = rows[-1][0], rows[-1][1]
-        next_cursor = _encode_cursor(query.sort, int(last_value is None), last_value, last_run.id)
+        next_cursor = _encode_cursor(sort, int(last_value is None), last_value, last_run.id)
     runs: list[Run] = [row[0] for row in rows]
+    scores = {row[0].id: float(row[1]) for row in rows} if sort_key == RELEVANCE else {}
 
-    keys = list(dict.fromkeys(query.metric_keys + ([] if sort_key in SORT_COLUMNS else [sort_key])))
+    metric_sort = sort_key not in SORT_COLUMNS and sort_key != RELEVANCE
+    keys = list(dict.fromkeys(query.metric_keys + ([sort_key] if metric_sort else [])))
     metrics: dict[int, dict[str, dict[str, Any]]] = {r.id: {} for r in runs}
     if keys and runs:
         for s in db_session.scalars(
@@ -575,7 +628,51 @@ def list_runs(
             )
         ):
             metrics[s.run_id][s.key] = {"latest": s.latest, "min": s.min, "max": s.max, "step": s.latest_step}
-    return runs, metrics, next_cursor
+    return runs, metrics, next_cursor, scores
+
+
+MAX_COMPARE = 20
+
+
+@dataclass
+class ComparedRun:
+    run: Run
+    keys: list[str]
+    series: dict[str, list[dict[str, Any]]]
+
+
+def compare_runs(
+    *, db_session: Session, project_id: int, run_ids: Sequence[int], keys: Sequence[str], max_points: int
+) -> list[ComparedRun]:
+    """Up to MAX_COMPARE runs in the order asked, each with its metric keys and the `keys`
+    series it has, downsampled to `max_points`. Raises InvalidQuery, RunNotFound."""
+    wanted = list(dict.fromkeys(run_ids))
+    if not 1 <= len(wanted) <= MAX_COMPARE:
+        raise InvalidQuery(f"runs: compare 1 to {MAX_COMPARE} runs, not {len(wanted)}")
+    found = {
+        r.id: r
+        for r in db_session.scalars(select(Run).where(Run.project_id == project_id, Run.id.in_(wanted)))
+    }
+    missing = [i for i in wanted if i not in found]
+    if missing:
+        raise RunNotFound(f"run {', '.join(map(str, missing))} not found")
+    keys_by_run: dict[int, list[str]] = {i: [] for i in wanted}
+    for run_id, key in db_session.execute(
+        select(MetricSummary.run_id, MetricSummary.key)
+        .where(MetricSummary.run_id.in_(wanted))
+        .order_by(MetricSummary.run_id, MetricSummary.key)
+    ):
+        keys_by_run[run_id].append(key)
+    out = []
+    for run_id in wanted:
+        have = [k for k in dict.fromkeys(keys) if k in keys_by_run[run_id]]
+        series = (
+            metric_service.series(db_session=db_session, run_id=run_id, keys=have, max_points=max_points)
+            if have
+            else {}
+        )
+        out.append(ComparedRun(found[run_id], keys_by_run[run_id], series))
+    return out
 
 
 # --- events and checkpoints -----------------------------------------------------------------------

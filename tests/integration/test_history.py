@@ -1,0 +1,153 @@
+"""The run history at scale, on SQLite and PostgreSQL: metric sorts page through every run
+exactly once (ties and missing values included), text search is ranked, metric filters,
+the slim list and the compare endpoint."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import httpx
+import pytest
+
+from backend.client import YattAPIError
+from tests.conftest import DATABASES, LiveAPI
+
+pytestmark = pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+
+CONFIG = {"train": {"max_steps": 5, "batch_size": 4}, "seed": 3}
+
+
+def new_run(api: LiveAPI, **kw: Any) -> dict[str, Any]:
+    return api.client.create_run(experiment=kw.pop("experiment", "exp"), config=kw.pop("config", CONFIG), **kw)
+
+
+def http(api: LiveAPI) -> httpx.Client:
+    return httpx.Client(base_url=api.url + "/api/v1", headers={"Authorization": f"Bearer {api.token}"}, timeout=30)
+
+
+def walk(api: LiveAPI, page_size: int, **filters: Any) -> list[list[dict[str, Any]]]:
+    pages, cursor = [], None
+    for _ in range(100):  # a cursor that does not advance would loop forever
+        page = api.client.list_runs(limit=page_size, cursor=cursor, **filters)
+        pages.append(page["items"])
+        cursor = page["next_cursor"]
+        if not cursor:
+            return pages
+    raise AssertionError(f"no last page after 100 pages: {[[r['id'] for r in p] for p in pages[:5]]}")
+
+
+def test_metric_sort_pages_through_ties_and_missing_values_without_duplicate_or_gap(live_api: LiveAPI) -> None:
+    # 0.5 three times, 0.1 twice, a NaN latest (missing), and runs that never report the key
+    values: list[float | None] = [0.5, None, 0.1, 0.5, 0.9, None, 0.1, math.nan, 0.5, -2.0, None, 0.3, 0.5]
+    ids = []
+    for i, value in enumerate(values):
+        run = new_run(live_api, name=f"tie-{i}")
+        ids.append(run["id"])
+        live_api.client.post_metrics(run["id"], [{"key": "other", "step": 1, "value": float(i)}])
+        if value is not None:
+            # a NaN latest is stored as NULL (sent as null): the run has no value to sort by
+            sent = None if math.isnan(value) else value
+            live_api.client.post_metrics(run["id"], [{"key": "reward/mean", "step": 1, "value": sent}])
+    # an older point arriving late does not replace the latest; a newer one does
+    live_api.client.post_metrics(ids[4], [{"key": "reward/mean", "step": 0, "value": 100.0}])
+    live_api.client.post_metrics(ids[9], [{"key": "reward/mean", "step": 2, "value": 0.7}])
+    values[9] = 0.7
+
+    present = [(v, rid) for v, rid in zip(values, ids, strict=True) if v is not None and not math.isnan(v)]
+    absent = [rid for v, rid in zip(values, ids, strict=True) if v is None or math.isnan(v)]
+    expected_desc = [rid for _, rid in sorted(present, reverse=True)] + sorted(absent, reverse=True)
+    expected_asc = [rid for _, rid in sorted(present)] + sorted(absent)
+
+    for sort, expected in (("-reward/mean", expected_desc), ("reward/mean", expected_asc)):
+        for page_size in (1, 2, 3, 5, 13, 50):
+            pages = walk(live_api, page_size, sort=sort)
+            seen = [r["id"] for page in pages for r in page]
+            assert seen == expected, (sort, page_size)
+            assert all(len(p) == page_size for p in pages[:-1])
+    top = live_api.client.list_runs(sort="-reward/mean", limit=1)["items"][0]
+    assert top["id"] == ids[4] and top["metrics"]["reward/mean"]["latest"] == 0.9
+    # filters combine with the metric sort, and both phases (with and without a value) respect them
+    odd = walk(live_api, 2, sort="-reward/mean", where=["other>=7"])
+    assert [r["id"] for p in odd for r in p] == [i for i in expected_desc if ids.index(i) >= 7]
+
+
+def test_metric_filters(live_api: LiveAPI) -> None:
+    ids = []
+    for i, value in enumerate([0.2, 0.6, 0.9, None]):
+        run = new_run(live_api)
+        ids.append(run["id"])
+        if value is not None:
+            live_api.client.post_metrics(run["id"], [{"key": "reward/mean", "step": i, "value": value},
+                                                     {"key": "kl", "step": i, "value": float(i)}])
+    got = {r["id"] for r in live_api.client.iter_runs(where=["reward/mean>=0.6"])}
+    assert got == {ids[1], ids[2]}
+    got = {r["id"] for r in live_api.client.iter_runs(where=["reward/mean>0.1", "kl<2"])}
+    assert got == {ids[0], ids[1]}
+    assert live_api.client.list_runs(where=["reward/mean=0.9"])["items"][0]["id"] == ids[2]
+    with http(live_api) as c:
+        bad = c.get("/runs", params={"where": "reward/mean>>x"})
+        assert bad.status_code == 422 and "reward/mean>>x" in bad.text
+        assert c.get("/runs", params={"where": "reward/mean>nan"}).status_code == 422
+
+
+def test_text_search_is_ranked_and_covers_name_experiment_tags_and_description(live_api: LiveAPI) -> None:
+    in_name = new_run(live_api, name="lr-sweep-3e-5", experiment="grpo-arith")
+    in_desc = new_run(live_api, name="baseline", description="part of the LR sweep for arithmetic")
+    in_tag = new_run(live_api, name="plain", tags=["sweep", "nightly"])
+    in_exp = new_run(live_api, name="other", experiment="sweeps-2026")
+    new_run(live_api, name="unrelated", description="nothing to see")
+
+    hits = live_api.client.list_runs(q="sweep")["items"]
+    assert {r["id"] for r in hits} == {in_name["id"], in_desc["id"], in_tag["id"], in_exp["id"]}
+    assert hits[0]["id"] == in_name["id"]  # a name match outranks a description match
+    assert hits[-1]["id"] == in_desc["id"]
+    scores = [r["score"] for r in hits]
+    assert scores == sorted(scores, reverse=True) and scores[0] > scores[-1]
+    # every word must match, each as a prefix, whatever the punctuation and case
+    assert [r["id"] for r in live_api.client.iter_runs(q="Sweep LR")] == [in_name["id"], in_desc["id"]]
+    assert [r["id"] for r in live_api.client.iter_runs(q="grpo arith 3e")] == [in_name["id"]]
+    assert [r["id"] for r in live_api.client.iter_runs(q="nightl")] == [in_tag["id"]]
+    # paging through ranked results: every hit once, in rank order
+    assert [r["id"] for p in walk(live_api, 1, q="sweep") for r in p] == [r["id"] for r in hits]
+    # an explicit sort keeps the search as a filter
+    assert [r["id"] for r in live_api.client.iter_runs(q="sweep", sort="created_at")] == sorted(
+        r["id"] for r in hits
+    )
+    # another project's runs are not found
+    other = live_api.client.__class__(live_api.url, live_api.server.make_token("elsewhere"))
+    assert other.list_runs(q="sweep")["items"] == []
+    with http(live_api) as c:
+        assert c.get("/runs", params={"q": "--"}).status_code == 422
+        assert c.get("/runs", params={"sort": "relevance"}).status_code == 422
+
+
+def test_list_is_slim_and_compare_returns_ten_runs_in_one_request(live_api: LiveAPI) -> None:
+    runs = [new_run(live_api, name=f"cmp-{i}", tags=["cmp"]) for i in range(10)]
+    for i, run in enumerate(runs):
+        points = [{"key": "reward/mean", "step": s, "value": i + s / 1000} for s in range(2_000)]
+        points += [{"key": f"only-{i}", "step": 0, "value": 1.0}]
+        live_api.client.post_metrics(run["id"], points)
+    item = live_api.client.list_runs(limit=1)["items"][0]
+    assert "config" not in item and "package_versions" not in item
+    assert item["tags"] == ["cmp"] and item["experiment"] == "exp"
+    assert live_api.client.get_run(item["id"])["config"]["seed"] == 3
+
+    ids = [r["id"] for r in reversed(runs)]
+    compared = live_api.client.compare(ids, ["reward/mean", "only-3"], max_points=100)
+    assert [c["run"]["id"] for c in compared] == ids
+    for c in compared:
+        i = runs.index(next(r for r in runs if r["id"] == c["run"]["id"]))
+        assert c["config"]["seed"] == 3
+        assert c["keys"] == sorted(["reward/mean", f"only-{i}"])
+        points = c["series"]["reward/mean"]
+        assert 90 <= len(points) <= 100 and points[0]["step"] == 0 and points[-1]["step"] == 1_999
+        assert points[-1]["value"] == i + 1.999
+        assert ("only-3" in c["series"]) == (i == 3)
+    with http(live_api) as c:
+        too_many = c.get("/runs/compare", params={"runs": ",".join(str(i) for i in range(1, 22))})
+        assert too_many.status_code == 422 and "20" in too_many.text
+        assert c.get("/runs/compare", params={"runs": "1,x"}).status_code == 422
+    with pytest.raises(YattAPIError) as err:
+        live_api.client.compare([ids[0], 10**9])
+    assert err.value.status == 404 and str(10**9) in err.value.message
