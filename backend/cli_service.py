@@ -232,8 +232,13 @@ def runs_list(
     experiment: str | None = None,
     tag: Annotated[list[str] | None, typer.Option(help="Repeatable: runs with every tag.")] = None,
     launched_by: Annotated[str | None, typer.Option(help="user or ci.")] = None,
-    q: Annotated[str | None, typer.Option(help="Text in name or description.")] = None,
-    sort: Annotated[str, typer.Option(help="created_at, priority or a metric key; '-' = descending.")] = "-created_at",
+    q: Annotated[str | None, typer.Option(help="Words in name, experiment, tags or description; best matches first.")] = None,
+    sort: Annotated[
+        str | None,
+        typer.Option(help="created_at, priority, relevance or a metric key; '-' = descending. "
+                     "Default: -relevance with --q, else -created_at."),
+    ] = None,
+    where: Annotated[list[str] | None, typer.Option(help="Repeatable metric filter, e.g. 'reward/mean>=0.5'.")] = None,
     limit: int = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
@@ -241,14 +246,15 @@ def runs_list(
     client = _client()
     try:
         page = client.list_runs(
-            state=state, experiment=experiment, tag=tag, launched_by=launched_by, q=q, sort=sort, limit=limit
+            state=state, experiment=experiment, tag=tag, launched_by=launched_by, q=q, sort=sort,
+            where=where, limit=limit,
         )
     except YattAPIError as exc:
         raise _fail(exc) from None
     if as_json:
         _dump(page)
         return
-    metric = None if sort.lstrip("-") in ("created_at", "priority") else sort.lstrip("-")
+    metric = None if sort is None or sort.lstrip("-") in ("created_at", "priority", "relevance") else sort.lstrip("-")
     header = f"{'ID':>6}  {'STATE':<10}  {'EXPERIMENT':<20}  {'NAME':<28}  {'BY':<4}  CREATED"
     typer.echo(header + (f"  {metric}" if metric else ""))
     for r in page["items"]:

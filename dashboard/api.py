@@ -25,6 +25,7 @@ __all__ = [
     "validate_config",
     "create_run",
     "list_experiments",
+    "compare",
     "metric_keys",
     "metrics",
     "all_metrics",
@@ -58,6 +59,13 @@ def list_runs(
     `launched_by` (user/ci), `q`, `created_since`, `created_until`, `sort`, `metrics`."""
     page = c.list_runs(cursor=cursor, limit=limit, **filters)
     return list(page["items"]), page.get("next_cursor")
+
+
+def compare(
+    c: YattClient, run_ids: Sequence[int], keys: Sequence[str], *, max_points: int = 800
+) -> list[dict[str, Any]]:
+    """Up to 20 runs in one request: `[{"run", "config", "keys", "series"}]` (series of `keys`)."""
+    return c.compare(run_ids, keys, max_points=max_points)
 
 
 def get_run(c: YattClient, run_id: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import hashlib
 import json
 import logging
@@ -19,14 +20,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, exists, func, null, or_, select
+from sqlalchemy import ColumnElement, and_, exists, func, null, or_, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, load_only
 
 from backend.auth.service import Principal
 from backend.db import after_commit, utcnow
 from backend.metrics import service as metric_service
-from backend.metrics.models import MetricSummary
+from backend.metrics.models import MetricPoint, MetricSummary
 from backend.metrics.sort_index import RunMetricValue
 from backend.runs import search
 from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
@@ -663,16 +664,62 @@ def compare_runs(
         .order_by(MetricSummary.run_id, MetricSummary.key)
     ):
         keys_by_run[run_id].append(key)
+    keys = list(dict.fromkeys(keys))
+    counts = {
+        (run_id, key): n
+        for run_id, key, n in db_session.execute(
+            select(MetricSummary.run_id, MetricSummary.key, MetricSummary.count).where(
+                MetricSummary.run_id.in_(wanted), MetricSummary.key.in_(keys)
+            )
+        )
+    } if keys else {}
+    # Series of up to READ_WHOLE × max_points points come back in one query for every run and
+    # are thinned here; longer ones take the metric service's index-seek sampling, per run.
+    small = [pair for pair, n in counts.items() if n <= COMPARE_READ_WHOLE * max_points]
+    series: dict[tuple[int, str], list[dict[str, Any]]] = {pair: [] for pair in small}
+    if small:
+        mp = MetricPoint
+        for run_id, key, step, value, t in db_session.execute(
+            select(mp.run_id, mp.key, mp.step, mp.value, mp.time)
+            .where(tuple_(mp.run_id, mp.key).in_(small))
+            .order_by(mp.run_id, mp.key, mp.step, mp.id)
+        ):
+            series[(run_id, key)].append({"step": step, "value": value, "time": t})
+        for pair in small:
+            series[pair] = thin(series[pair], max_points)
     out = []
     for run_id in wanted:
-        have = [k for k in dict.fromkeys(keys) if k in keys_by_run[run_id]]
-        series = (
-            metric_service.series(db_session=db_session, run_id=run_id, keys=have, max_points=max_points)
-            if have
+        have = [k for k in keys if (run_id, k) in counts]
+        large = [k for k in have if (run_id, k) not in series]
+        sampled = (
+            metric_service.series(db_session=db_session, run_id=run_id, keys=large, max_points=max_points)
+            if large
             else {}
         )
-        out.append(ComparedRun(found[run_id], keys_by_run[run_id], series))
+        chosen = {k: series.get((run_id, k)) or sampled.get(k, []) for k in have}
+        out.append(ComparedRun(found[run_id], keys_by_run[run_id], chosen))
     return out
+
+
+COMPARE_READ_WHOLE = 10
+
+
+def thin(points: list[dict[str, Any]], max_points: int) -> list[dict[str, Any]]:
+    """A step-ordered series sampled as `metrics.service.series` samples it: the first point at
+    or after each of `max_points - 1` evenly spaced steps, then the last point."""
+    if len(points) <= max_points:
+        return points
+    steps = [p["step"] for p in points]
+    lo, last = steps[0], steps[-1]
+    n, span = max(1, max_points - 1), last - lo + 1
+    picked: list[int] = []
+    for i in range(n):
+        j = bisect.bisect_left(steps, lo + (i * span) // n)
+        if j < len(points) and (not picked or picked[-1] != j):
+            picked.append(j)
+    if picked[-1] != len(points) - 1:
+        picked.append(len(points) - 1)
+    return [points[j] for j in picked[:max_points]]
 
 
 # --- events and checkpoints -----------------------------------------------------------------------

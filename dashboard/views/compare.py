@@ -1,4 +1,6 @@
-"""Compare page: pick runs, overlay any metric, and see which config keys differ."""
+"""Compare page: pick runs, overlay any metric, and see which config keys differ.
+
+Everything about the chosen runs comes from one `GET /runs/compare` request (up to 20 runs)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from dashboard.charts import overlay_figure
 from dashboard.tables import config_diff, run_rows
 
 MAX_POINTS = 800
+MAX_RUNS = 20  # what GET /runs/compare takes in one request
+DEFAULT_METRICS = ("reward/mean", "throughput/gen_tokens_per_s")
 
 c = session.client()
 st.title("Compare runs")
@@ -33,14 +37,22 @@ chosen: list[int] = st.multiselect("Runs", list(labels), default=preset or list(
 if len(chosen) < 1:
     st.info("Pick at least one run.")
     st.stop()
+
+if len(chosen) > MAX_RUNS:
+    st.warning(f"Comparing the first {MAX_RUNS} runs picked.")
+    chosen = chosen[:MAX_RUNS]
 st.query_params["runs"] = ",".join(map(str, chosen))
 
+# One request for every run: rows, configs, metric keys and the series of the metrics shown.
+wanted = st.session_state.get("cmp_metrics") or list(DEFAULT_METRICS)
 try:
-    runs = {rid: api.get_run(c, rid) for rid in chosen}
-    keys_by_run = {rid: [k["key"] for k in api.metric_keys(c, rid)] for rid in chosen}
+    compared = api.compare(c, chosen, wanted, max_points=MAX_POINTS)
 except api.ApiError as exc:
     session.show_api_error(exc, "load the runs")
     st.stop()
+runs = {item["run"]["id"]: {**item["run"], "config": item["config"]} for item in compared}
+keys_by_run = {item["run"]["id"]: item["keys"] for item in compared}
+series = {item["run"]["id"]: item["series"] for item in compared}
 
 short = {rid: f"#{rid} {runs[rid].get('name', '')}".strip() for rid in chosen}
 st.dataframe(pd.DataFrame(run_rows(runs.values())), hide_index=True, width="stretch",
@@ -55,15 +67,20 @@ st.subheader("Metrics")
 if not all_keys:
     st.caption("These runs have no metrics yet.")
 else:
-    default = [k for k in ("reward/mean", "throughput/gen_tokens_per_s") if k in all_keys]
+    default = [k for k in DEFAULT_METRICS if k in all_keys]
     metrics = st.multiselect("Metrics to overlay", all_keys, default=default or all_keys[:1],
                              key="cmp_metrics")
     x = st.segmented_control("x axis", ["step", "elapsed"], default="step", key="cmp_x",
                              format_func={"step": "step",
                                           "elapsed": "time since start"}.__getitem__) or "step"
+    if metrics and set(metrics) - set(wanted):  # the first view of runs without the defaults
+        try:
+            series = {item["run"]["id"]: item["series"]
+                      for item in api.compare(c, chosen, metrics, max_points=MAX_POINTS)}
+        except api.ApiError as exc:
+            session.show_api_error(exc, "load the metrics")
+            st.stop()
     if metrics:
-        series = {rid: api.metrics(c, rid, [m for m in metrics if m in keys_by_run[rid]],
-                                   max_points=MAX_POINTS) for rid in chosen}
         cols = st.columns(2 if len(metrics) > 1 else 1)
         for i, metric in enumerate(metrics):
             by_run = {short[rid]: series[rid].get(metric, []) for rid in chosen}

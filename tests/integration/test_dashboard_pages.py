@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -301,6 +302,30 @@ def test_compare_overlays_metrics_and_lists_config_differences(as_admin: SeededA
     diff = at.dataframe[-1].value
     assert list(diff.index) == ["train.lr"]
     assert list(diff.loc["train.lr"]) == ["5e-05", "1e-05"]
+
+
+def test_compare_page_loads_ten_runs_with_one_request(
+    as_admin: SeededApi, client: YattClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = list(as_admin.runs.values())
+    while len(ids) < 10:
+        run = client.create_run(experiment="dash-compare", name=f"cmp-{len(ids)}", config={})
+        client.post_metrics(run["id"], [{"key": "reward/mean", "step": s, "value": s / 10} for s in range(50)])
+        ids.append(run["id"])
+    calls: list[str] = []
+    real = YattClient.request
+
+    def counted(self: YattClient, method: str, path: str, **kw: Any) -> Any:
+        calls.append(f"{method} {path}")
+        return real(self, method, path, **kw)
+
+    monkeypatch.setattr(YattClient, "request", counted)
+    at = _open("views/compare.py", runs=",".join(map(str, ids)))
+    per_run = [c for c in calls if c.startswith("GET /runs/") and not c.startswith("GET /runs/compare")]
+    assert per_run == []
+    assert sum(c.startswith("GET /runs/compare") for c in calls) == 1
+    charts = _charts(at)
+    assert len(charts[0]["data"]) == 10  # every run's reward/mean in the first chart
 
 
 def test_cluster_page_shows_capacity_and_active_runs(as_admin: SeededApi) -> None:

@@ -144,6 +144,12 @@ def test_list_is_slim_and_compare_returns_ten_runs_in_one_request(live_api: Live
         assert 90 <= len(points) <= 100 and points[0]["step"] == 0 and points[-1]["step"] == 1_999
         assert points[-1]["value"] == i + 1.999
         assert ("only-3" in c["series"]) == (i == 3)
+        # the same points the run page's own series request returns
+        assert points == live_api.client.metrics(c["run"]["id"], ["reward/mean"], max_points=100)["reward/mean"]
+    # series far longer than max_points take the metric service's sampling: same answer
+    (long,) = live_api.client.compare([ids[0]], ["reward/mean"], max_points=10)
+    assert long["series"]["reward/mean"] == live_api.client.metrics(ids[0], ["reward/mean"], max_points=10)["reward/mean"]
+    assert len(long["series"]["reward/mean"]) == 10
     with http(live_api) as c:
         too_many = c.get("/runs/compare", params={"runs": ",".join(str(i) for i in range(1, 22))})
         assert too_many.status_code == 422 and "20" in too_many.text

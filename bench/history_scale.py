@@ -1,0 +1,276 @@
+"""The run history at scale: 100,000 runs listed, filtered, searched, sorted and compared.
+
+    .venv/bin/python bench/history_scale.py            # --before /work/main to time main's code too
+
+For each database (a SQLite file, a fresh PostgreSQL database) it migrates, seeds 100,000 runs
+over 1,000 experiments (bench/history_seed.py: tags, summaries, realistic names, configs), starts
+the real API (`yatt api`, one uvicorn worker, its own process) and times every request of
+issue 12's table, compare-of-10 and the History page's own calls: one warm-up, then `--repeat`
+timed requests each, one at a time; p50 and p95 per database. With `--before DIR` the same
+requests also go to an API started from the code in DIR (the tree before this change) on the
+same seeded database; its compare is what its Compare page did: three requests per run.
+Prints a table and writes the `history_scale` section of docs/benchmarks.md; the last line is
+the worst p95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from backend.db import Database  # noqa: E402
+from backend.migrate import upgrade  # noqa: E402
+from backend.runs.service import _encode_cursor  # noqa: E402
+from bench.history_seed import Seeded, seed_history  # noqa: E402
+
+PG_ADMIN = os.environ.get("YATT_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
+TARGET_MS = 100.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Api:
+    """`yatt api` from the code in `tree`, in a subprocess on a free port."""
+
+    def __init__(self, database_url: str, data_dir: Path, token: str, tree: Path = ROOT):
+        env = {**os.environ, "YATT_DATABASE_URL": database_url, "YATT_DATA_DIR": str(data_dir),
+               "PYTHONPATH": str(tree)}
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "backend.cli", "api", "--port", self.url.rsplit(":", 1)[1], "--no-migrate"],
+            env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        self.http = httpx.Client(
+            base_url=self.url + "/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=120
+        )
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"the API did not start: {self.proc.stderr.read() if self.proc.stderr else ''}")
+            time.sleep(0.2)
+
+    def get(self, path: str, **params: Any) -> Any:
+        r = self.http.get(path, params=params)
+        if r.status_code != 200:
+            raise RuntimeError(f"GET {path} {params}: {r.status_code} {r.text[:300]}")
+        return r.json()
+
+    def close(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=20)
+
+
+def requests(seeded: Seeded, before: bool) -> list[tuple[str, Callable[[Api], Any]]]:
+    """(label, call) for every timed request; `before` shapes compare as main's page made it."""
+    exp = seeded.experiments[len(seeded.experiments) // 2]
+    tag = min(seeded.tag_counts, key=lambda t: abs(seeded.tag_counts[t] - len(seeded.run_ids) // 20))
+    ten = seeded.series_run_ids[:10]
+    # the first page of runs that never reported reward/mean (past every run that did)
+    tail = _encode_cursor("-reward/mean", 1, None, seeded.run_ids[-1] + 1)
+    out: list[tuple[str, Callable[[Api], Any]]] = [
+        ("list (limit=50)", lambda a: a.get("/runs", limit=50)),
+        ("filter state=failed", lambda a: a.get("/runs", limit=50, state="failed")),
+        ("filter experiment", lambda a: a.get("/runs", limit=50, experiment=exp)),
+        (f"filter tag={tag}", lambda a: a.get("/runs", limit=50, tag=tag)),
+        ("search q=gsm8k grpo kl-sweep", lambda a: a.get("/runs", limit=50, q="gsm8k grpo kl-sweep")),
+        ("search q=reward hacking", lambda a: a.get("/runs", limit=50, q="reward hacking")),
+        ("sort=-reward/mean", lambda a: a.get("/runs", limit=50, sort="-reward/mean")),
+        ("sort=reward/mean (ascending)", lambda a: a.get("/runs", limit=50, sort="reward/mean")),
+    ]
+    if not before:
+        out += [
+            ("sort=-reward/mean, page of runs without it", lambda a: a.get("/runs", limit=50, sort="-reward/mean", cursor=tail)),
+            ("where=reward/mean>=0.9", lambda a: a.get("/runs", limit=50, where="reward/mean>=0.9")),
+            ("compare 10 runs (1 request)", lambda a: a.get(
+                "/runs/compare", runs=",".join(map(str, ten)), keys="reward/mean,kl/mean", max_points=800)),
+        ]
+    else:
+        def compare_before(a: Api) -> None:
+            for rid in ten:  # main's Compare page: the run, its keys, its series
+                a.get(f"/runs/{rid}")
+                a.get(f"/runs/{rid}/metric-keys")
+                a.get(f"/runs/{rid}/metrics", keys="reward/mean,kl/mean", max_points=800)
+        out.append(("compare 10 runs (30 requests)", compare_before))
+    out += [
+        ("History page: whoami", lambda a: a.get("/whoami")),
+        ("History page: experiments", lambda a: a.get("/experiments")),
+        ("History page: runs (limit=25)", lambda a: a.get("/runs", limit=25, sort="-created_at")),
+    ]
+    return out
+
+
+def time_requests(api: Api, calls: list[tuple[str, Callable[[Api], Any]]], repeat: int) -> dict[str, tuple[float, float]]:
+    """{label: (p50 ms, p95 ms)}."""
+    out = {}
+    for label, call in calls:
+        call(api)  # warm-up
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            call(api)
+            times.append((time.perf_counter() - t) * 1e3)
+        times.sort()
+        p95 = times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))]
+        out[label] = (median(times), p95)
+        print(f"  {label:<46} p50 {median(times):8.1f} ms   p95 {p95:8.1f} ms", flush=True)
+    return out
+
+
+def bench_database(kind: str, url: str, data_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    print(f"\n== {kind}", flush=True)
+    upgrade(url)
+    db = Database(url)
+    t = time.perf_counter()
+    seeded = seed_history(db, runs=args.runs, experiments=args.experiments)
+    seed_s = time.perf_counter() - t
+    db.dispose()
+    print(f"seeded {args.runs:,} runs over {args.experiments:,} experiments in {seed_s:.1f} s", flush=True)
+    result: dict[str, Any] = {"kind": kind, "seed_s": seed_s}
+    api = Api(url, data_dir, seeded.token)
+    try:
+        result["after"] = time_requests(api, requests(seeded, before=False), args.repeat)
+    finally:
+        api.close()
+    if args.before:
+        print(f"-- before: the code in {args.before}", flush=True)
+        api = Api(url, data_dir, seeded.token, tree=Path(args.before))
+        try:
+            result["before"] = time_requests(api, requests(seeded, before=True), args.repeat)
+        finally:
+            api.close()
+    return result
+
+
+def _cell(fig: tuple[float, float] | None) -> str:
+    return "—" if fig is None else f"{fig[0]:,.0f} / {fig[1]:,.0f}"
+
+
+def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str]:
+    kinds = [r["kind"] for r in results]
+    labels = list(dict.fromkeys(label for r in results for label in r["after"]))
+    before_labels = {
+        "compare 10 runs (1 request)": "compare 10 runs (30 requests)",
+    }
+    cols = []
+    for k in kinds:
+        cols.append(f"{k} p50 / p95 ms")
+        if args.before:
+            cols.append(f"{k} before p50 / p95 ms")
+    lines = [
+        "## History at scale (100,000 runs)",
+        "",
+        f"`{' '.join(['.venv/bin/python', 'bench/history_scale.py', *sys.argv[1:]])}` — "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}, {platform.machine()}, {os.cpu_count()} cores "
+        f"(shared with other work: load average {args.load:.1f} at the start, {args.load_end:.1f} at the end), "
+        f"{args.runs:,} runs over {args.experiments:,} experiments in one project, one `yatt api` process "
+        f"(1 uvicorn worker), one request at a time, {args.repeat} timed requests each after a warm-up. "
+        + ("`before` is the same database served by the code before this change (" + args.before + "). "
+           if args.before else "")
+        + "Seeding took " + ", ".join(f"{r['kind']} {r['seed_s']:.0f} s" for r in results) + ".",
+        "",
+        "| request | " + " | ".join(cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    for label in labels:
+        cells = []
+        for r in results:
+            cells.append(_cell(r["after"].get(label)))
+            if args.before:
+                cells.append(_cell(r.get("before", {}).get(before_labels.get(label, label))))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    worst_label, worst = "", (0.0, 0.0)
+    for r in results:
+        for label, fig in r["after"].items():
+            if fig[1] > worst[1]:
+                worst_label, worst = f"{r['kind']}: {label}", fig
+    last = f"worst p95: {worst[1]:.0f} ms ({worst_label}); target < {TARGET_MS:.0f} ms"
+    if args.before:
+        ratios = []
+        for r in results:
+            for label in ("search q=gsm8k grpo kl-sweep", "sort=-reward/mean"):
+                b, a = r.get("before", {}).get(label), r["after"].get(label)
+                if a and b:
+                    ratios.append(f"{r['kind']} {label}: {b[0] / a[0]:.1f}× faster at p50")
+        if ratios:
+            lines += ["", "Before → after: " + "; ".join(ratios) + "."]
+    lines += ["", last]
+    return "\n".join(lines) + "\n", last
+
+
+def update_doc(section: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
+    begin, end = "<!-- history_scale:begin -->", "<!-- history_scale:end -->"
+    block = f"{begin}\n{section}{end}\n"
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
+    if begin in text and end in text:
+        text = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=100_000)
+    parser.add_argument("--experiments", type=int, default=1_000)
+    parser.add_argument("--repeat", type=int, default=21, help="timed requests per case")
+    parser.add_argument("--databases", nargs="+", default=["sqlite", "postgresql"])
+    parser.add_argument("--before", default="", help="a tree with the code to compare against (e.g. /work/main)")
+    parser.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
+    args = parser.parse_args()
+    args.load = os.getloadavg()[0]
+    print(f"load average at start: {args.load:.1f}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="yatt-history-") as tmp:
+        for kind in args.databases:
+            data_dir = Path(tmp) / kind
+            data_dir.mkdir()
+            if kind == "sqlite":
+                results.append(bench_database(kind, f"sqlite:///{data_dir / 'yatt.db'}", data_dir, args))
+                continue
+            name = f"yatt_hist_{uuid.uuid4().hex[:8]}"
+            with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+                conn.execute(f'CREATE DATABASE "{name}"')
+            try:
+                url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+                results.append(bench_database(kind, url, data_dir, args))
+            finally:
+                with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+                    conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    args.load_end = os.getloadavg()[0]
+    section, last = write_markdown(results, args)
+    print("\n" + section)
+    if not args.no_write:
+        update_doc(section)
+    print(last)
+
+
+if __name__ == "__main__":
+    main()
