@@ -601,8 +601,12 @@ def list_runs(
             stmt = base.join(rmv, has_value).add_columns(rmv.value)
             if cursor is not None:
                 _, value, last_id = cursor
-                stmt = stmt.where(or_(beyond(rmv.value, value), and_(rmv.value == value, beyond(Run.id, last_id))))
-            stmt = stmt.order_by(ordered(rmv.value), ordered(Run.id)).limit(want)
+                stmt = stmt.where(
+                    or_(beyond(rmv.value, value), and_(rmv.value == value, beyond(rmv.run_id, last_id)))
+                )
+            # ordered by the index's own columns, so the planner walks it (SQLite sorts the
+            # whole project when the tie-break names runs.id)
+            stmt = stmt.order_by(ordered(rmv.value), ordered(rmv.run_id)).limit(want)
             rows = list(db_session.execute(stmt).unique().all())
         if len(rows) < want:  # then the runs without one
             missing = base.where(~exists().where(has_value)).add_columns(null())

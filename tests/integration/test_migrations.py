@@ -101,3 +101,40 @@ def test_yatt_db_upgrade_on_an_empty_sqlite_file(tmp_path: Path) -> None:
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
     finally:
         db.dispose()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_0003_indexes_the_runs_already_stored(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Upgrading a database with history fills the search and metric sort indexes from it."""
+    from sqlalchemy import select
+
+    from backend.auth.models import Project
+    from backend.metrics.models import MetricSummary
+    from backend.runs import search
+    from backend.runs.models import Experiment, Run, RunTag
+
+    url = f"sqlite:///{tmp_path / 'old.db'}" if kind == "sqlite" else request.getfixturevalue("empty_postgres")
+    upgrade(url, "0002")
+    db = Database(url)
+    try:
+        with db.session() as s:
+            project = Project(name="old")
+            s.add(project)
+            s.flush()
+            exp = Experiment(project_id=project.id, name="gsm8k-grpo", description="", tags=[])
+            s.add(exp)
+            s.flush()
+            run = Run(project_id=project.id, experiment_id=exp.id, name="lr-sweep-1", description="older run",
+                      config={}, tag_rows=[RunTag(tag="nightly")])
+            s.add(run)
+            s.flush()
+            s.add(MetricSummary(run_id=run.id, key="reward/mean", latest=0.4, latest_step=3, latest_time=0.0,
+                                min=0.1, max=0.4, count=3))
+        upgrade(url)
+        with db.engine.connect() as conn:
+            hits = search.matches(db.dialect, "nightly gsm8k").subquery()
+            assert conn.execute(select(hits.c.run_id)).scalars().all() == [run.id]
+            values = conn.execute(text("SELECT run_id, key, project_id, value FROM run_metric_values")).all()
+            assert [tuple(v) for v in values] == [(run.id, "reward/mean", project.id, 0.4)]
+    finally:
+        db.dispose()
