@@ -43,6 +43,8 @@ class Run(Base):
     __table_args__ = (
         UniqueConstraint("project_id", "idempotency_key"),
         Index("ix_runs_project_id_id", "project_id", "id"),
+        # covers the per-experiment run counts of GET /experiments without reading run rows
+        Index("ix_runs_project_id_experiment_id", "project_id", "experiment_id"),
         Index("ix_runs_state_priority", "state", "priority"),
     )
 

@@ -173,8 +173,8 @@ def list_runs(
         str | None,
         Query(
             max_length=200,
-            description="Words to find in name, experiment, tags or description (each as a "
-            "prefix, all required); ranked by relevance unless `sort` is given.",
+            description="Words to find in name, experiment, tags or description (all "
+            "required, the last one as a prefix); ranked by relevance unless `sort` is given.",
         ),
     ] = None,
     created_since: datetime | None = None,

@@ -8,8 +8,9 @@ One index per database, kept in step by triggers in the database itself, so ever
   `ts_rank`; the text is lower-cased and split on anything that is not a letter or digit
   (the `simple` configuration, no stemming: run names are identifiers, not prose).
 
-A query is the words of the user's text, each matched as a prefix, all required
-("sweep lr" finds "lr-sweep-3e-5"). The index is not a model: Alembic's autogenerate skips
+A query is the words of the user's text, all required, the last one matched as a prefix
+(search as you type: "sweep l" finds "lr-sweep-3e-5"; whole words elsewhere are faster and
+more precise than prefixes). The index is not a model: Alembic's autogenerate skips
 it through `include_object`, and migration 0003 calls `install` and `rebuild`.
 """
 
@@ -194,7 +195,7 @@ def words(query: str) -> list[str]:
 
 
 def matches(dialect: str, query: str) -> Select[Any]:
-    """`SELECT run_id, score` of the runs matching every word of `query` as a prefix; a
+    """`SELECT run_id, score` of the runs matching every word of `query` (the last as a prefix); a
     higher score is a better match. Raises ValueError for a text without a letter or digit.
     The caller scopes it to a project and orders it."""
     terms = words(query)
@@ -209,9 +210,10 @@ def matches(dialect: str, query: str) -> Select[Any]:
                 literal_column(f"-bm25({SEARCH_TABLE}, {weights})", Float).label("score"),
             )
             .select_from(search)
-            .where(text(f"{SEARCH_TABLE} MATCH :fts").bindparams(fts=" ".join(f'"{t}"*' for t in terms)))
+            .where(text(f"{SEARCH_TABLE} MATCH :fts").bindparams(
+                fts=" ".join(f'"{t}"' for t in terms[:-1]) + f' "{terms[-1]}"*'))
         )
-    tsquery = func.to_tsquery(literal_column("'simple'::regconfig"), " & ".join(f"{t}:*" for t in terms))
+    tsquery = func.to_tsquery(literal_column("'simple'::regconfig"), " & ".join([*terms[:-1], f"{terms[-1]}:*"]))
     # as double precision: a real (float4) comes back rounded in text, and a cursor made
     # from the rounded value would not compare equal to the score it came from
     score = cast(func.ts_rank(search.c.document, tsquery), DOUBLE_PRECISION)

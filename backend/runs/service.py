@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, exists, func, null, or_, select, tuple_
+from sqlalchemy import ColumnElement, and_, exists, func, null, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, load_only
 
@@ -677,20 +677,25 @@ def compare_runs(
             )
         )
     } if keys else {}
-    # Series of up to READ_WHOLE × max_points points come back in one query for every run and
-    # are thinned here; longer ones take the metric service's index-seek sampling, per run.
+    # Series of up to READ_WHOLE × max_points points are read whole (one index range each) and
+    # thinned here, cheaper than a seek per bucket; longer ones take the metric service's sampling.
     small = [pair for pair, n in counts.items() if n <= COMPARE_READ_WHOLE * max_points]
-    series: dict[tuple[int, str], list[dict[str, Any]]] = {pair: [] for pair in small}
-    if small:
-        mp = MetricPoint
-        for run_id, key, step, value, t in db_session.execute(
-            select(mp.run_id, mp.key, mp.step, mp.value, mp.time)
-            .where(tuple_(mp.run_id, mp.key).in_(small))
-            .order_by(mp.run_id, mp.key, mp.step, mp.id)
-        ):
-            series[(run_id, key)].append({"step": step, "value": value, "time": t})
-        for pair in small:
-            series[pair] = thin(series[pair], max_points)
+    mp = MetricPoint
+    rows = {  # one index range per series ((run_id, key) IN (...) would scan the whole index)
+        (run_id, key): [
+            (step, value, t)
+            for step, value, t in db_session.execute(
+                select(mp.step, mp.value, mp.time)
+                .where(mp.run_id == run_id, mp.key == key)
+                .order_by(mp.step, mp.id)
+            )
+        ]
+        for run_id, key in small
+    }
+    series = {
+        pair: [{"step": p[0], "value": p[1], "time": p[2]} for p in thin(points, max_points)]
+        for pair, points in rows.items()
+    }
     out = []
     for run_id in wanted:
         have = [k for k in keys if (run_id, k) in counts]
@@ -708,12 +713,12 @@ def compare_runs(
 COMPARE_READ_WHOLE = 10
 
 
-def thin(points: list[dict[str, Any]], max_points: int) -> list[dict[str, Any]]:
-    """A step-ordered series sampled as `metrics.service.series` samples it: the first point at
-    or after each of `max_points - 1` evenly spaced steps, then the last point."""
+def thin(points: list[tuple[int, float | None, float]], max_points: int) -> list[tuple[int, float | None, float]]:
+    """Step-ordered (step, value, time) points sampled as `metrics.service.series` samples: the
+    first point at or after each of `max_points - 1` evenly spaced steps, then the last point."""
     if len(points) <= max_points:
         return points
-    steps = [p["step"] for p in points]
+    steps = [p[0] for p in points]
     lo, last = steps[0], steps[-1]
     n, span = max(1, max_points - 1), last - lo + 1
     picked: list[int] = []

@@ -37,6 +37,7 @@ def upgrade() -> None:
     op.create_index(
         "ix_run_metric_values_sort", "run_metric_values", ["project_id", "key", "value", "run_id"]
     )
+    op.create_index("ix_runs_project_id_experiment_id", "runs", ["project_id", "experiment_id"])
     op.execute(
         "INSERT INTO run_metric_values (run_id, key, project_id, value) "
         "SELECT s.run_id, s.key, r.project_id, s.latest "
@@ -49,5 +50,6 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     search.uninstall(op.get_bind())
+    op.drop_index("ix_runs_project_id_experiment_id", table_name="runs")
     op.drop_index("ix_run_metric_values_sort", table_name="run_metric_values")
     op.drop_table("run_metric_values")
