@@ -44,10 +44,15 @@ WORDS = ["checks", "whether", "higher", "lower", "learning", "rate", "helps", "s
          "hacking", "length", "bias", "entropy", "collapse", "clip", "ratio", "warmup", "cosine",
          "schedule", "batch", "size", "groups", "tokens", "throughput", "memory", "placement",
          "offload", "weights", "sync", "staleness", "judge", "verifier", "format", "penalty"]
+class RawJSON(str):
+    """A JSON document already serialized (the same config text for many runs)."""
+
+
 SUMMARY_KEYS = ["reward/mean", "kl/mean", "loss/policy", "throughput/gen_tokens_per_s"]
 STATES = (["succeeded"] * 70 + ["failed"] * 14 + ["cancelled"] * 5 + ["running"] * 3
           + ["queued"] * 7 + ["starting"])
 BATCH = 5_000
+PACKAGES = RawJSON('{"torch":"2.13.0+cpu","vllm":"0.11.0","transformers":"4.57.1","ray":"2.60.0"}')
 
 
 @dataclass
@@ -60,10 +65,6 @@ class Seeded:
     run_ids: list[int]
     tag_counts: dict[str, int] = field(default_factory=dict)
     series_run_ids: list[int] = field(default_factory=list)
-
-
-class RawJSON(str):
-    """A JSON document already serialized (the same config text for many runs)."""
 
 
 def _bulk(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
@@ -159,38 +160,48 @@ def seed_history(
             conn.execute(select(Experiment.name, Experiment.id).where(Experiment.project_id == project_id)).all()
         )
         first_id = int(conn.execute(select(Run.id).order_by(Run.id.desc()).limit(1)).scalar() or 0) + 1
-        times = sorted(start + timedelta(seconds=rng.random() * span_s) for _ in range(runs))
+        # every random draw up front, one call per field (a call per run and field is most
+        # of the cost of generating 100,000 rows)
+        t0, r = start.timestamp(), rng.random
+        created_s = sorted(t0 + r() * span_s for _ in range(runs))
+        exps = rng.choices(exp_names, k=runs)
+        lrs = rng.choices(["1e-6", "3e-6", "1e-5", "3e-5", "5e-5", "1e-4"], k=runs)
+        kls = rng.choices(["0", "0.01", "0.04", "0.1"], k=runs)
+        states = rng.choices(STATES, k=runs)
+        priorities = rng.choices([0, 0, 0, 1, 10, -1], k=runs)
+        people = rng.choices(PEOPLE, k=runs)
+        n_tags = rng.choices([0, 1, 1, 2, 2, 3], k=runs)
+        n_words = rng.choices(range(13), k=runs)
+        words = rng.choices(WORDS, k=12 * runs)
         for lo in range(0, runs, BATCH):
             run_rows, tag_rows, attempt_rows, summary_rows = [], [], [], []
             for i in range(lo, min(runs, lo + BATCH)):
                 run_id = first_id + i
-                exp = rng.choice(exp_names)
-                lr = rng.choice(["1e-6", "3e-6", "1e-5", "3e-5", "5e-5", "1e-4"])
-                kl = rng.choice(["0", "0.01", "0.04", "0.1"])
-                state = rng.choice(STATES)
-                created = times[i]
-                started = created + timedelta(seconds=rng.randint(2, 600)) if state != "queued" else None
+                exp, lr, state = exps[i], lrs[i], states[i]
+                created = datetime.fromtimestamp(created_s[i], UTC)
+                started = created + timedelta(seconds=2 + 600 * r()) if state != "queued" else None
                 finished = (
-                    started + timedelta(seconds=rng.randint(60, 36_000))
+                    started + timedelta(seconds=60 + 36_000 * r())
                     if started and state in ("succeeded", "failed", "cancelled") else None
                 )
-                ci = rng.random() < 0.3
+                ci = r() < 0.3
                 config = RawJSON(config_text.replace('"seed":0', f'"seed":{i}', 1).replace(
                     '"lr":LR', f'"lr":{float(lr)}', 1))
-                has_reward = rng.random() < 0.9
+                has_reward = r() < 0.9
                 reward = round(rng.betavariate(2, 3), 3)
-                summary = {"reward/mean": reward, "kl/mean": round(rng.random() / 10, 4)} if has_reward else None
+                summary = {"reward/mean": reward, "kl/mean": round(r() / 10, 4)} if has_reward else None
+                sha = f"{rng.getrandbits(40):010x}"
                 run_rows.append({
                     "id": run_id, "project_id": project_id, "experiment_id": exp_ids[exp],
-                    "name": f"{exp}-lr{lr}-kl{kl}-s{i % 7}",
-                    "description": _sentence(rng, rng.randint(0, 12)),
+                    "name": f"{exp}-lr{lr}-kl{kls[i]}-s{i % 7}",
+                    "description": " ".join(words[12 * i: 12 * i + n_words[i]]),
                     "config": config, "seed": i, "state": state, "attempt": 1, "max_attempts": 1,
-                    "priority": rng.choice([0, 0, 0, 1, 10, -1]), "max_duration_s": None,
+                    "priority": priorities[i], "max_duration_s": None,
                     "launched_by": "ci" if ci else "user",
-                    "launched_by_name": "ci-bot" if ci else rng.choice(PEOPLE),
-                    "ci": {"provider": "gitlab", "commit": f"{rng.getrandbits(40):010x}", "branch": "main",
+                    "launched_by_name": "ci-bot" if ci else people[i],
+                    "ci": {"provider": "gitlab", "commit": sha, "branch": "main",
                            "pipeline_url": f"https://ci.example.com/rlhf/-/pipelines/{i}"} if ci else None,
-                    "code_version": f"{rng.getrandbits(40):010x}", "package_versions": {"torch": "2.13.0"},
+                    "code_version": sha, "package_versions": PACKAGES,
                     "run_dir": None, "summary": summary,
                     "error": "CUDA out of memory at step 31" if state == "failed" else None,
                     "idempotency_key": None, "request_hash": None,
@@ -198,16 +209,16 @@ def seed_history(
                     "started_at": started, "finished_at": finished,
                 })
                 attempt_rows.append({"run_id": run_id, "number": 1, "state": state, "created_at": created})
-                for tag in rng.sample(TAGS, rng.choice([0, 1, 1, 2, 2, 3])):
+                for tag in rng.sample(TAGS, n_tags[i]) if n_tags[i] else ():
                     tag_rows.append({"run_id": run_id, "tag": tag})
                     tag_counts[tag] = tag_counts.get(tag, 0) + 1
                 if has_reward:
-                    step = rng.randint(10, 2_000)
+                    step = 10 + int(r() * 1990)
                     for key in SUMMARY_KEYS:
-                        value = reward if key == "reward/mean" else round(rng.random() * 100, 2)
+                        value = reward if key == "reward/mean" else round(r() * 100, 2)
                         summary_rows.append({
                             "run_id": run_id, "key": key, "latest": value, "latest_step": step,
-                            "latest_time": created.timestamp() + step, "min": value, "max": value, "count": step,
+                            "latest_time": created_s[i] + step, "min": value, "max": value, "count": step,
                         })
             _bulk(conn, Run.__table__, run_rows)
             _bulk(conn, RunAttempt.__table__, attempt_rows)
