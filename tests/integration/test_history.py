@@ -157,3 +157,30 @@ def test_list_is_slim_and_compare_returns_ten_runs_in_one_request(live_api: Live
     with pytest.raises(YattAPIError) as err:
         live_api.client.compare([ids[0], 10**9])
     assert err.value.status == 404 and str(10**9) in err.value.message
+
+
+def test_search_index_follows_renames_tag_changes_and_deletes(live_api: LiveAPI) -> None:
+    from sqlalchemy import delete, select, update
+
+    from backend.runs.models import Experiment, Run, RunTag
+
+    unnamed = new_run(live_api, experiment="yak-study")  # named "<experiment>-<id>" after insert
+    in_zebra = new_run(live_api, name="plain", experiment="zebra-study")
+    tagged = new_run(live_api, name="quokka", tags=["walrus"])
+
+    def found(q: str) -> list[int]:
+        return [r["id"] for r in live_api.client.iter_runs(q=q)]
+
+    assert found(f"yak study {unnamed['id']}") == [unnamed["id"]]
+    assert found("zebra") == [in_zebra["id"]] and found("walrus") == [tagged["id"]]
+    with live_api.database.session() as s:
+        s.execute(update(Experiment).where(Experiment.id == in_zebra["experiment_id"]).values(name="okapi-study"))
+        s.execute(delete(RunTag).where(RunTag.run_id == tagged["id"]))
+        s.add(RunTag(run_id=tagged["id"], tag="narwhal"))
+        s.execute(update(Run).where(Run.id == tagged["id"]).values(description="now with a capybara"))
+    assert found("okapi") == [in_zebra["id"]] and found("zebra") == []
+    assert found("walrus") == [] and found("narwhal") == [tagged["id"]] and found("capybara") == [tagged["id"]]
+    with live_api.database.session() as s:
+        s.execute(delete(Run).where(Run.id == tagged["id"]))
+        assert s.scalar(select(Run.id).where(Run.id == tagged["id"])) is None
+    assert found("narwhal") == []
