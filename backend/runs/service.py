@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import bisect
 import hashlib
 import json
 import logging
@@ -27,7 +26,7 @@ from sqlalchemy.orm import Session, aliased, load_only
 from backend.auth.service import Principal
 from backend.db import after_commit, utcnow
 from backend.metrics import service as metric_service
-from backend.metrics.models import MetricPoint, MetricSummary
+from backend.metrics.models import MetricSummary
 from backend.metrics.sort_index import RunMetricValue
 from backend.runs import search
 from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
@@ -669,66 +668,16 @@ def compare_runs(
     ):
         keys_by_run[run_id].append(key)
     keys = list(dict.fromkeys(keys))
-    counts = {
-        (run_id, key): n
-        for run_id, key, n in db_session.execute(
-            select(MetricSummary.run_id, MetricSummary.key, MetricSummary.count).where(
-                MetricSummary.run_id.in_(wanted), MetricSummary.key.in_(keys)
-            )
-        )
-    } if keys else {}
-    # Series of up to READ_WHOLE × max_points points are read whole (one index range each) and
-    # thinned here, cheaper than a seek per bucket; longer ones take the metric service's sampling.
-    small = [pair for pair, n in counts.items() if n <= COMPARE_READ_WHOLE * max_points]
-    mp = MetricPoint
-    rows = {  # one index range per series ((run_id, key) IN (...) would scan the whole index)
-        (run_id, key): [
-            (step, value, t)
-            for step, value, t in db_session.execute(
-                select(mp.step, mp.value, mp.time)
-                .where(mp.run_id == run_id, mp.key == key)
-                .order_by(mp.step, mp.id)
-            )
-        ]
-        for run_id, key in small
-    }
-    series = {
-        pair: [{"step": p[0], "value": p[1], "time": p[2]} for p in thin(points, max_points)]
-        for pair, points in rows.items()
-    }
     out = []
     for run_id in wanted:
-        have = [k for k in keys if (run_id, k) in counts]
-        large = [k for k in have if (run_id, k) not in series]
-        sampled = (
-            metric_service.series(db_session=db_session, run_id=run_id, keys=large, max_points=max_points)
-            if large
+        have = [k for k in keys if k in keys_by_run[run_id]]
+        series = (
+            metric_service.series(db_session=db_session, run_id=run_id, keys=have, max_points=max_points)
+            if have
             else {}
         )
-        chosen = {k: series.get((run_id, k)) or sampled.get(k, []) for k in have}
-        out.append(ComparedRun(found[run_id], keys_by_run[run_id], chosen))
+        out.append(ComparedRun(found[run_id], keys_by_run[run_id], series))
     return out
-
-
-COMPARE_READ_WHOLE = 10
-
-
-def thin(points: list[tuple[int, float | None, float]], max_points: int) -> list[tuple[int, float | None, float]]:
-    """Step-ordered (step, value, time) points sampled as `metrics.service.series` samples: the
-    first point at or after each of `max_points - 1` evenly spaced steps, then the last point."""
-    if len(points) <= max_points:
-        return points
-    steps = [p[0] for p in points]
-    lo, last = steps[0], steps[-1]
-    n, span = max(1, max_points - 1), last - lo + 1
-    picked: list[int] = []
-    for i in range(n):
-        j = bisect.bisect_left(steps, lo + (i * span) // n)
-        if j < len(points) and (not picked or picked[-1] != j):
-            picked.append(j)
-    if picked[-1] != len(points) - 1:
-        picked.append(len(points) - 1)
-    return [points[j] for j in picked[:max_points]]
 
 
 # --- events and checkpoints -----------------------------------------------------------------------

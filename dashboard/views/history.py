@@ -13,7 +13,7 @@ from dashboard.tables import run_rows
 
 PAGE_SIZE = 25
 STATES = ["queued", "starting", "running", "cancelling", "succeeded", "failed", "cancelled"]
-SORTS = {"newest first": "-created_at", "oldest first": "created_at"}
+SORTS = {"newest first": "-created_at", "oldest first": "created_at", "best match": "-relevance"}
 
 c = session.client()
 st.title("History")
@@ -34,7 +34,9 @@ with st.container(border=True):
     tag = row1[2].text_input("Tag", key="f_tag", placeholder="any")
     who = row1[3].selectbox("Launched by", ["anyone", "user", "ci"], key="f_who")
     row2 = st.columns([3, 2, 2, 1])
-    search = row2[0].text_input("Search name and description", key="f_q")
+    search = row2[0].text_input("Search name, experiment, tags and description", key="f_q",
+                                help="Every word must match (the last one as a prefix); "
+                                     "sort by best match to rank the results.")
     today = date.today()
     days = row2[1].date_input("Created between", value=[], key="f_dates",
                               max_value=today + timedelta(days=1))
@@ -62,6 +64,8 @@ if metric.strip():
     filters["metrics"] = metric.strip()
 else:
     filters["sort"] = SORTS.get(sort, "-created_at")
+    if filters["sort"] == "-relevance" and not filters["q"]:  # nothing to rank by
+        filters["sort"] = "-created_at"
 
 # Cursor pagination: remember the cursors of pages already visited; new filters start over.
 signature = repr(sorted(filters.items()))

@@ -109,7 +109,12 @@ def test_history_lists_runs_and_filters_them(as_admin: SeededApi) -> None:
 
     at.text_input(key="f_q").set_value("cancel").run()
     assert list(at.dataframe[0].value["id"]) == [as_admin.runs["cancelled"]]
-    at.text_input(key="f_q").set_value("").run()
+    at.selectbox(key="f_sort").set_value("best match").run()
+    assert list(at.dataframe[0].value["id"]) == [as_admin.runs["cancelled"]]
+    at.text_input(key="f_q").set_value("").run()  # nothing to rank: newest first
+    ids = list(at.dataframe[0].value["id"])
+    assert len(ids) >= len(as_admin.runs) and ids == sorted(ids, reverse=True)
+    at.selectbox(key="f_sort").set_value("newest first").run()
     _no_exception(at)
 
 

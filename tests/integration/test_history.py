@@ -146,7 +146,7 @@ def test_list_is_slim_and_compare_returns_ten_runs_in_one_request(live_api: Live
         assert ("only-3" in c["series"]) == (i == 3)
         # the same points the run page's own series request returns
         assert points == live_api.client.metrics(c["run"]["id"], ["reward/mean"], max_points=100)["reward/mean"]
-    # series far longer than max_points take the metric service's sampling: same answer
+    # series far longer than max_points: the same sampling
     (long,) = live_api.client.compare([ids[0]], ["reward/mean"], max_points=10)
     assert long["series"]["reward/mean"] == live_api.client.metrics(ids[0], ["reward/mean"], max_points=10)["reward/mean"]
     assert len(long["series"]["reward/mean"]) == 10
