@@ -240,8 +240,14 @@ def seed_history(
                 for key in ("reward/mean", "kl/mean")
             ]
             metric_service.ingest(db_session=s, run_id=run_id, points=points)
-    with database.engine.begin() as conn:  # planner statistics, as a maintained database has
-        conn.exec_driver_sql("ANALYZE")
+    # planner statistics (and on PostgreSQL the visibility map that index-only scans need), as
+    # a maintained database has them from autovacuum
+    if database.dialect == "postgresql":
+        with database.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("VACUUM ANALYZE")
+    else:
+        with database.engine.begin() as conn:
+            conn.exec_driver_sql("ANALYZE")
     return Seeded(project_id, token, exp_names, run_ids, tag_counts, series_ids)
 
 

@@ -148,7 +148,7 @@ def get_or_create_experiment(*, db_session: Session, project_id: int, name: str)
 def list_experiments(*, db_session: Session, project_id: int) -> list[tuple[Experiment, int]]:
     """A project's experiments with their run counts, oldest first."""
     counts = (
-        select(Run.experiment_id, func.count(Run.id).label("n"))
+        select(Run.experiment_id, func.count().label("n"))  # count(*): an index-only scan
         .where(Run.project_id == project_id)
         .group_by(Run.experiment_id)
         .subquery()
