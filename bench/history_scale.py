@@ -19,6 +19,7 @@ import argparse
 import os
 import platform
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -240,11 +241,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=100_000)
     parser.add_argument("--experiments", type=int, default=1_000)
-    parser.add_argument("--repeat", type=int, default=21, help="timed requests per case")
+    parser.add_argument("--repeat", type=int, default=15, help="timed requests per case")
     parser.add_argument("--databases", nargs="+", default=["sqlite", "postgresql"])
     parser.add_argument("--before", default="", help="a tree with the code to compare against (e.g. /work/main)")
     parser.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below when killed
     args.load = os.getloadavg()[0]
     print(f"load average at start: {args.load:.1f}", flush=True)
     results = []
