@@ -37,13 +37,17 @@ import psycopg
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sqlalchemy import func, select  # noqa: E402
+
 from backend.db import Database  # noqa: E402
 from backend.migrate import upgrade  # noqa: E402
+from backend.runs import search  # noqa: E402
 from backend.runs.service import _encode_cursor  # noqa: E402
 from bench.history_seed import Seeded, seed_history  # noqa: E402
 
 PG_ADMIN = os.environ.get("YATT_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
 TARGET_MS = 100.0
+SEARCHES = ("gsm8k grpo kl-sweep", "reward hacking")  # a precise search and a broad one
 
 
 def free_port() -> int:
@@ -101,8 +105,7 @@ def requests(seeded: Seeded, before: bool) -> list[tuple[str, Callable[[Api], An
         ("filter state=failed", lambda a: a.get("/runs", limit=50, state="failed")),
         ("filter experiment", lambda a: a.get("/runs", limit=50, experiment=exp)),
         (f"filter tag={tag}", lambda a: a.get("/runs", limit=50, tag=tag)),
-        ("search q=gsm8k grpo kl-sweep", lambda a: a.get("/runs", limit=50, q="gsm8k grpo kl-sweep")),
-        ("search q=reward hacking", lambda a: a.get("/runs", limit=50, q="reward hacking")),
+        *((f"search q={q}", lambda a, q=q: a.get("/runs", limit=50, q=q)) for q in SEARCHES),
         ("sort=-reward/mean", lambda a: a.get("/runs", limit=50, sort="-reward/mean")),
         ("sort=reward/mean (ascending)", lambda a: a.get("/runs", limit=50, sort="reward/mean")),
     ]
@@ -152,9 +155,15 @@ def bench_database(kind: str, url: str, data_dir: Path, args: argparse.Namespace
     t = time.perf_counter()
     seeded = seed_history(db, runs=args.runs, experiments=args.experiments)
     seed_s = time.perf_counter() - t
+    with db.read_session() as s:  # a ranked search costs with its matches: say how many
+        matches = {
+            q: s.scalar(select(func.count()).select_from(search.matches(db.dialect, q).subquery()))
+            for q in SEARCHES
+        }
+    print(f"matches: {matches}", flush=True)
     db.dispose()
     print(f"seeded {args.runs:,} runs over {args.experiments:,} experiments in {seed_s:.1f} s", flush=True)
-    result: dict[str, Any] = {"kind": kind, "seed_s": seed_s}
+    result: dict[str, Any] = {"kind": kind, "seed_s": seed_s, "matches": matches}
     api = Api(url, data_dir, seeded.token)
     try:
         result["after"] = time_requests(api, requests(seeded, before=False), args.repeat)
@@ -222,6 +231,9 @@ def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> t
                     ratios.append(f"{r['kind']} {label}: {b[0] / a[0]:.1f}× faster at p50")
         if ratios:
             lines += ["", "Before → after: " + "; ".join(ratios) + "."]
+    lines += ["", "Searches are ranked, so their cost grows with the runs they match: "
+              + "; ".join(f"{r['kind']} " + ", ".join(f"`{q}` {n:,}" for q, n in r["matches"].items())
+                          for r in results) + " matching runs."]
     lines += ["", last]
     return "\n".join(lines) + "\n", last
 
