@@ -14,6 +14,7 @@ from backend.db import Database
 from backend.deps import DatabaseDep, ReadableRun, Reader, ReadSessionDep, SettingsDep
 from backend.dispatch import service
 from backend.dispatch.ray_cluster import RayCluster, RayUnavailable
+from backend.runs import service as run_service
 from backend.runs.models import Run
 from backend.runs.state import TERMINAL, RunState
 from backend.settings import Settings
@@ -87,14 +88,26 @@ async def run_logs(
 
 
 @router.get("/cluster", summary="Nodes, devices and the runs on them")
-def cluster(_: Reader, db_session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
-    """Devices are GPUs, or slices of cores (`yatt_device`) on a CPU-only cluster."""
+def cluster(principal: Reader, db_session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
+    """Devices are GPUs, or slices of cores (`yatt_device`) on a CPU-only cluster. The caller's
+    project's active runs are listed; other projects' appear only as `other_projects.devices`,
+    the devices they hold, with no ids, names or counts of runs."""
     ray = _cluster_or_none(settings)
     try:
-        return service.cluster_view(s=db_session, cluster=ray)
+        view = service.cluster_view(s=db_session, cluster=ray)
     finally:
         if ray is not None:
             ray.close()
+    queued = run_service.queued_runs(db_session=db_session, limit=10_000)
+    view["queued"] = sum(1 for r in queued if r.project_id == principal.project_id)
+    return project_view(view, project_id=principal.project_id)
+
+
+def project_view(view: dict[str, Any], *, project_id: int) -> dict[str, Any]:
+    """The cluster view as one project may see it: its runs in full, the others' as a device count."""
+    own = [r for r in view.get("runs", []) if r.get("project_id") == project_id]
+    others = sum(int(r.get("devices") or 0) for r in view.get("runs", []) if r.get("project_id") != project_id)
+    return {**view, "runs": own, "other_projects": {"devices": others}}
 
 
 def install(app: Any) -> None:

@@ -18,6 +18,7 @@ from backend.deps import (
     SettingsDep,
     writable_run,
 )
+from backend.fields import RunIdPath, StorableStr
 from backend.metrics import service
 from backend.metrics.schemas import MetricBatch, MetricKeyOut, MetricSeries
 from backend.runs.schemas import Accepted
@@ -36,7 +37,7 @@ router = APIRouter(tags=["metrics"])
     },
 )
 async def post_metrics(
-    run_id: int, request: Request, principal: CurrentPrincipal, db: DatabaseDep, settings: SettingsDep
+    run_id: RunIdPath, request: Request, principal: CurrentPrincipal, db: DatabaseDep, settings: SettingsDep
 ) -> Accepted:
     """Append a batch of points in one transaction. Non-finite values (NaN, ±Infinity) are
     stored as null with their key and step kept; min/max ignore them."""
@@ -44,7 +45,7 @@ async def post_metrics(
     try:
         body = MetricBatch.model_validate_json(await request.body())
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False), body=None) from None
+        raise RequestValidationError(exc.errors(include_url=False, include_input=False), body=None) from None
     if len(body.points) > settings.max_metric_points:
         raise HTTPException(
             413,
@@ -68,7 +69,8 @@ def get_metrics(
     run: ReadableRun,
     db_session: ReadSessionDep,
     keys: Annotated[
-        str | None, Query(description="Comma-separated keys; default: every key.", examples=["reward/mean,kl/mean"])
+        StorableStr | None,
+        Query(max_length=10_000, description="Comma-separated keys; default: every key.", examples=["reward/mean,kl/mean"]),
     ] = None,
     max_points: Annotated[
         int | None,

@@ -29,6 +29,7 @@ from backend.deps import (
     Writer,
     not_found,
 )
+from backend.fields import INT64_MAX, ExperimentIdPath, RunIdPath, StorableStr
 from backend.metrics import service as metric_service
 from backend.runs import service
 from backend.runs.schemas import (
@@ -47,6 +48,7 @@ from backend.runs.schemas import (
     RunOut,
     RunPage,
     StateUpdate,
+    Tag,
 )
 from backend.runs.state import TERMINAL, RunState
 from trainer.config import parse_config
@@ -112,7 +114,7 @@ def create_experiment(body: ExperimentCreate, principal: Writer, db_session: Ses
 
 
 @router.get("/experiments/{experiment_id}", response_model=ExperimentOut, tags=["experiments"])
-def get_experiment(experiment_id: int, principal: Reader, db_session: ReadSessionDep) -> ExperimentOut:
+def get_experiment(experiment_id: ExperimentIdPath, principal: Reader, db_session: ReadSessionDep) -> ExperimentOut:
     exp = service.get_experiment(
         db_session=db_session, project_id=principal.project_id, experiment_id=experiment_id
     )
@@ -138,7 +140,7 @@ def create_run(
     db_session: SessionDep,
     response: Response,
     idempotency_key: Annotated[
-        str | None,
+        StorableStr | None,
         Header(max_length=200, description="Retrying with the same key returns the same run."),
     ] = None,
 ) -> RunOut:
@@ -163,15 +165,15 @@ def validate_config(body: ConfigValidate, principal: Reader) -> ConfigValid:
 def list_runs(
     principal: Reader,
     db_session: ReadSessionDep,
-    state: Annotated[str | None, Query(description="Comma-separated states.", examples=["running,queued"])] = None,
-    experiment: Annotated[str | None, Query(description="Experiment name.")] = None,
-    tag: Annotated[list[str] | None, Query(description="Runs carrying every given tag.")] = None,
+    state: Annotated[StorableStr | None, Query(description="Comma-separated states.", examples=["running,queued"])] = None,
+    experiment: Annotated[StorableStr | None, Query(max_length=200, description="Experiment name.")] = None,
+    tag: Annotated[list[Tag] | None, Query(max_length=50, description="Runs carrying every given tag.")] = None,
     launched_by: Annotated[str | None, Query(pattern="^(user|ci)$")] = None,
-    q: Annotated[str | None, Query(max_length=200, description="Text in name or description.")] = None,
+    q: Annotated[StorableStr | None, Query(max_length=200, description="Text in name or description.")] = None,
     created_since: datetime | None = None,
     created_until: datetime | None = None,
     sort: Annotated[
-        str,
+        StorableStr,
         Query(
             max_length=201,
             description="`created_at`, `priority` or a metric key (by its latest value); "
@@ -179,8 +181,10 @@ def list_runs(
             examples=["-created_at", "-reward/mean"],
         ),
     ] = "-created_at",
-    metrics: Annotated[str | None, Query(description="Comma-separated metric keys to include.")] = None,
-    cursor: str | None = None,
+    metrics: Annotated[
+        StorableStr | None, Query(max_length=10_000, description="Comma-separated metric keys to include.")
+    ] = None,
+    cursor: Annotated[StorableStr | None, Query(max_length=2000)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> RunPage:
     """A page of the project's runs, filtered and sorted; follow `next_cursor` for more."""
@@ -219,7 +223,7 @@ def list_attempts(run: ReadableRun, db_session: ReadSessionDep) -> list[AttemptO
 
 @router.post("/runs/{run_id}/cancel", response_model=RunOut, tags=["runs"], responses=_409)
 def cancel_run(
-    run_id: int, principal: Writer, db_session: SessionDep, body: RunAction | None = None
+    run_id: RunIdPath, principal: Writer, db_session: SessionDep, body: RunAction | None = None
 ) -> RunOut:
     """Cancel: a queued run is cancelled at once, a started one moves to `cancelling` until
     the dispatcher has stopped it. Cancelling a cancelled run changes nothing."""
@@ -235,7 +239,7 @@ def cancel_run(
 
 @router.post("/runs/{run_id}/retry", response_model=RunOut, tags=["runs"], responses=_409)
 def retry_run(
-    run_id: int, principal: Writer, db_session: SessionDep, body: RunAction | None = None
+    run_id: RunIdPath, principal: Writer, db_session: SessionDep, body: RunAction | None = None
 ) -> RunOut:
     """Queue a failed run again: attempt += 1, resuming from its newest checkpoint."""
     run = service.retry(
@@ -297,8 +301,8 @@ def post_events(run: WritableRun, body: EventBatch, db_session: SessionDep) -> A
 def list_events(
     run: ReadableRun,
     db_session: ReadSessionDep,
-    kind: Annotated[str | None, Query(description="Comma-separated kinds.")] = None,
-    after_id: Annotated[int, Query(ge=0, description="Only events with a larger id.")] = 0,
+    kind: Annotated[StorableStr | None, Query(max_length=2000, description="Comma-separated kinds.")] = None,
+    after_id: Annotated[int, Query(ge=0, le=INT64_MAX, description="Only events with a larger id.")] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> list[EventOut]:
     """The run's timeline in order."""
@@ -374,7 +378,7 @@ class _StreamCursor:
     "/runs/{run_id}/stream", tags=["runs"],
     responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events."}},
 )
-async def stream_run(run_id: int, request: Request, principal: Reader, db: DatabaseDep, settings: SettingsDep) -> StreamingResponse:
+async def stream_run(run_id: RunIdPath, request: Request, principal: Reader, db: DatabaseDep, settings: SettingsDep) -> StreamingResponse:
     """Server-Sent Events for live views: `state` (first the current one, then each change),
     `metric` (`{"points": [...]}`, new points only) and `event` (new timeline entries).
     The stream ends once the run is in a final state and everything has been sent."""
