@@ -265,24 +265,60 @@ class YattClient:
     def cluster(self) -> dict[str, Any]:
         return self.request("GET", "/cluster")  # type: ignore[no-any-return]
 
-    def stream(self, run_id: int, *, timeout: float | None = None) -> Iterator[tuple[str, Any]]:
-        """Server-Sent Events of a run as `(event, data)`: `state`, `metric`, `event`.
-        Ends when the run reaches a final state."""
-        with self._http.stream(
-            "GET", f"/api/v1/runs/{run_id}/stream", timeout=httpx.Timeout(timeout or 60.0, read=timeout)
-        ) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise _error_of(response)
-            event, data = "message", list[str]()
-            for line in response.iter_lines():
-                if not line:
-                    if data:
-                        yield event, json.loads("\n".join(data))
-                    event, data = "message", []
-                elif line.startswith(":"):
-                    continue
-                elif line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:"):
-                    data.append(line[5:].lstrip())
+    def stream(
+        self, run_id: int, *, timeout: float | None = None, last_event_id: str | None = None,
+        reconnects: int = 3,
+    ) -> Iterator[tuple[str, Any]]:
+        """Server-Sent Events of a run as `(event, data)`: `state`, `metric`, `event`; from its
+        history on, or after `last_event_id`. A dropped connection is resumed where it broke
+        (`Last-Event-ID`, up to `reconnects` times). Ends when the run is final, retries done."""
+        for _, event, data in self.stream_with_ids(
+            run_id, timeout=timeout, last_event_id=last_event_id, reconnects=reconnects
+        ):
+            yield event, data
+
+    def stream_with_ids(
+        self, run_id: int, *, timeout: float | None = None, last_event_id: str | None = None,
+        reconnects: int = 3,
+    ) -> Iterator[tuple[str | None, str, Any]]:
+        """As `stream`, with each event's id: `(id, event, data)`."""
+        failures = 0
+        while True:
+            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            try:
+                with self._http.stream(
+                    "GET", f"/api/v1/runs/{run_id}/stream", headers=headers,
+                    timeout=httpx.Timeout(timeout or 60.0, read=timeout),
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise _error_of(response)
+                    for event_id, event, data in _sse_messages(response.iter_lines()):
+                        failures = 0
+                        last_event_id = event_id or last_event_id
+                        yield event_id, event, data
+                return
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                failures += 1
+                if failures > reconnects:
+                    raise YattAPIError(0, f"the stream of run {run_id} broke: {exc}") from exc
+                time.sleep(min(5.0, 0.5 * failures))
+
+
+def _sse_messages(lines: Iterator[str]) -> Iterator[tuple[str | None, str, Any]]:
+    """`(id, event, data)` for each Server-Sent Event in `lines` (comments skipped)."""
+    event_id: str | None = None
+    event, data = "message", list[str]()
+    for line in lines:
+        if not line:
+            if data:
+                yield event_id, event, json.loads("\n".join(data))
+            event, data = "message", []
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()

@@ -11,6 +11,7 @@ from pydantic import AfterValidator, Field
 
 INT32_MAX = 2**31 - 1  # `Integer` columns (ids of runs, experiments, tokens) on PostgreSQL
 INT64_MAX = 2**63 - 1  # `BigInteger` columns (steps, sizes, event ids)
+MAX_STEP = 2**53 - 1  # the largest integer every JSON client (JavaScript included) reads exactly
 MAX_DURATION_S = 10 * 365 * 24 * 3600.0  # ten years: far inside what `timedelta` holds
 
 
@@ -32,4 +33,5 @@ RunIdPath = Annotated[int, Path(ge=1, le=INT32_MAX, description="A run id.")]
 ExperimentIdPath = Annotated[int, Path(ge=1, le=INT32_MAX, description="An experiment id.")]
 TokenIdPath = Annotated[int, Path(ge=1, le=INT32_MAX, description="A token id.")]
 
-Step = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Size = Annotated[int, Field(ge=0, le=INT64_MAX)]

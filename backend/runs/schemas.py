@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.fields import MAX_DURATION_S, Step, StorableStr
+from backend.fields import MAX_DURATION_S, Size, Step, StorableStr
 from backend.runs.state import RunState
 
 Tag = Annotated[StorableStr, Field(min_length=1, max_length=100)]
@@ -246,7 +246,7 @@ class CheckpointIn(BaseModel):
 
     step: Step
     path: StorableStr = Field(..., min_length=1, max_length=1000)
-    size_bytes: Step | None = None
+    size_bytes: Size | None = None
     metrics: dict[str, Any] | None = None
 
 
