@@ -145,3 +145,22 @@ def test_a_point_that_commits_after_a_higher_id_is_still_sent(live_api: LiveAPI)
     finish(live_api, run["id"], "cancelled")
     listener.thread.join(20)
     assert not listener.thread.is_alive()
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_logs_tail_with_follow_on_a_finished_attempt_sends_the_tail_and_ends(live_api: LiveAPI) -> None:
+    from backend.db import utcnow
+    from backend.dispatch.models import RunLog
+
+    run = live_api.client.create_run(experiment="exp", config=CONFIG)
+    with live_api.database.session() as s:
+        s.add(RunLog(run_id=run["id"], attempt=1, text="".join(f"step {i}\n" for i in range(50)),
+                     updated_at=utcnow()))
+        run_service.transition(db_session=s, run_id=run["id"], to_state="failed", reason="test")
+        s.commit()
+    with httpx.Client(base_url=live_api.url + "/api/v1", timeout=10,
+                      headers={"Authorization": f"Bearer {live_api.token}"}) as c:
+        r = c.get(f"/runs/{run['id']}/logs", params={"tail": 2, "follow": True})
+        assert r.status_code == 200 and r.text == "step 48\nstep 49\n"
+        assert c.get(f"/runs/{run['id']}/logs", params={"tail": 1}).text == "step 49\n"
+        assert c.get(f"/runs/{run['id']}/logs", params={"attempt": 2}).status_code == 404
