@@ -214,13 +214,26 @@ class YattClient:
     def metrics(
         self, run_id: int, keys: Sequence[str] | None = None, *, max_points: int | None = None
     ) -> dict[str, list[dict[str, Any]]]:
-        """Each key's series (`{"step","value","time"}` points), sampled to `max_points` if given."""
+        """Each key's series (`{"step","value","time"}` points), sampled to `max_points` (the
+        API's default: 1,000; at most 10,000). Every point: `metrics_csv`."""
         params: dict[str, Any] = {}
         if keys:
             params["keys"] = ",".join(keys)
         if max_points:
             params["max_points"] = max_points
         return self.request("GET", f"/runs/{run_id}/metrics", params=params)["series"]  # type: ignore[no-any-return]
+
+    def metrics_csv(self, run_id: int, keys: Sequence[str] | None = None) -> Iterator[bytes]:
+        """Every point of the run (or of `keys`) as CSV `key,step,value,time`, chunk by chunk
+        as the API streams it."""
+        params = {"keys": ",".join(keys)} if keys else {}
+        with self._http.stream(
+            "GET", f"/api/v1/runs/{run_id}/metrics.csv", params=params, timeout=httpx.Timeout(30, read=300)
+        ) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise _error_of(response)
+            yield from response.iter_bytes()
 
     def metric_keys(self, run_id: int) -> list[dict[str, Any]]:
         """`[{"key","latest","latest_step","min","max","count"}]`."""

@@ -105,6 +105,15 @@ def readable_run(run_id: RunIdPath, principal: CurrentPrincipal, db_session: Rea
     return run
 
 
+def readable_run_detached(run_id: RunIdPath, principal: CurrentPrincipal, db: DatabaseDep) -> Run:
+    """As `readable_run`, read in a session that is closed at once: for streaming answers, which
+    must not keep a session (and on SQLite a read snapshot) open while the client reads."""
+    with db.read_session() as db_session:
+        run = readable_run(run_id, principal, db_session)
+        db_session.expunge(run)  # its loaded columns stay readable after the session ends
+        return run
+
+
 def run_writer(run_id: RunIdPath, principal: CurrentPrincipal, db_session: SessionDep) -> Run:
     """A run whose telemetry the caller may write: its run token, or a write+ token of the project."""
     return writable_run(run_id=run_id, principal=principal, db_session=db_session)
@@ -124,4 +133,5 @@ def writable_run(*, run_id: int, principal: Principal, db_session: Session) -> R
 
 
 ReadableRun = Annotated[Run, Depends(readable_run)]
+DetachedReadableRun = Annotated[Run, Depends(readable_run_detached)]
 WritableRun = Annotated[Run, Depends(run_writer)]

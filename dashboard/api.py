@@ -27,7 +27,7 @@ __all__ = [
     "list_experiments",
     "metric_keys",
     "metrics",
-    "all_metrics",
+    "metrics_csv",
     "events",
     "attempts",
     "checkpoints",
@@ -108,9 +108,9 @@ def metrics(
     return c.metrics(run_id, list(keys), max_points=max_points)
 
 
-def all_metrics(c: YattClient, run_id: int) -> dict[str, list[dict[str, Any]]]:
-    """Every point of every key, for the CSV download."""
-    return c.metrics(run_id, None, max_points=None)
+def metrics_csv(c: YattClient, run_id: int) -> bytes:
+    """Every point of every key as CSV (`key,step,value,time`), streamed by the API page by page."""
+    return b"".join(c.metrics_csv(run_id))
 
 
 def events(

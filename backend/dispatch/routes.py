@@ -13,7 +13,7 @@ from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from backend.db import Database
-from backend.deps import DatabaseDep, ReadableRun, Reader, ReadSessionDep, SettingsDep
+from backend.deps import DatabaseDep, DetachedReadableRun, Reader, ReadSessionDep, SettingsDep
 from backend.dispatch import service
 from backend.dispatch.models import RunLog
 from backend.dispatch.ray_cluster import RayCluster, RayUnavailable
@@ -102,7 +102,7 @@ async def follow_log(
     responses={200: {"content": {"text/plain": {"example": "step 1 reward=0.41 …\n"}}}},
 )
 async def run_logs(
-    run: ReadableRun,
+    run: DetachedReadableRun,
     db: DatabaseDep,
     settings: SettingsDep,
     attempt: Annotated[int | None, Query(ge=1, description="Default: the current attempt.")] = None,

@@ -21,7 +21,6 @@ from dashboard.tables import (
     event_rows,
     format_duration,
     launched_by,
-    metrics_csv,
     parse_time,
 )
 
@@ -108,7 +107,7 @@ def _buttons(run: dict[str, Any]) -> str:
             session.show_api_error(exc, "retry the run")
     row.download_button(
         "Metrics as CSV",
-        data=lambda: metrics_csv(api.all_metrics(c, run["id"])),
+        data=lambda: api.metrics_csv(c, run["id"]),
         file_name=f"run-{run['id']}-metrics.csv",
         mime="text/csv",
         icon=":material/download:",

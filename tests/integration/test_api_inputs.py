@@ -190,3 +190,40 @@ def test_readyz_says_database_unavailable_and_no_more(live_api: LiveAPI, tmp_pat
         r = c.get("/readyz")
     assert r.status_code == 503
     assert r.json() == {"status": "unavailable", "detail": "database unavailable"}
+
+
+def test_metric_reads_are_bounded_and_the_csv_export_has_every_point(live_api: LiveAPI) -> None:
+    run = live_api.client.create_run(experiment="exp", config=CONFIG)
+    pts = [{"key": "loss", "step": s, "value": float("nan") if s == 7 else s / 2, "time": 100.0 + s}
+           for s in range(2500)]
+    pts += [{"key": "acc", "step": s, "value": 1.0, "time": 1.0} for s in range(3)]
+    with http(live_api) as c:
+        r = c.post(f"/runs/{run['id']}/metrics",
+                   content=json.dumps({"points": pts}), headers={"Content-Type": "application/json"})
+        assert r.status_code == 200, r.text
+        series = c.get(f"/runs/{run['id']}/metrics").json()["series"]  # no max_points: 1,000
+        assert set(series) == {"acc", "loss"}
+        assert len(series["loss"]) <= 1000 and series["loss"][-1]["step"] == 2499
+        r = c.get(f"/runs/{run['id']}/metrics", params={"max_points": 10_001})
+        assert r.status_code == 422 and fields(r) == ["max_points"]
+        r = c.get(f"/runs/{run['id']}/metrics", params={"keys": ",".join(f"k{i}" for i in range(201))})
+        assert r.status_code == 422 and "200" in r.text
+
+    rows = b"".join(live_api.client.metrics_csv(run["id"])).decode().splitlines()
+    assert rows[0] == "key,step,value,time" and len(rows) == 1 + 2503
+    assert rows[1:4] == ["acc,0,1.0,1.0", "acc,1,1.0,1.0", "acc,2,1.0,1.0"]
+    loss = [row.split(",") for row in rows[4:]]
+    assert [int(s) for _, s, _, _ in loss] == list(range(2500))
+    assert loss[7][2] == "" and loss[8][2] == "4.0"  # NaN stored as null: an empty cell
+    only = b"".join(live_api.client.metrics_csv(run["id"], keys=["acc"])).decode().splitlines()
+    assert len(only) == 4
+
+
+def test_csv_export_pages_through_a_series_longer_than_a_page(live_api: LiveAPI, monkeypatch: Any) -> None:
+    from backend.metrics import export
+
+    monkeypatch.setattr(export, "PAGE", 100)  # the server runs in this process: pages of 100
+    run = live_api.client.create_run(experiment="exp", config=CONFIG)
+    live_api.client.post_metrics(run["id"], [{"key": "loss", "step": s, "value": 1.0} for s in range(1050)])
+    rows = b"".join(live_api.client.metrics_csv(run["id"])).decode().splitlines()
+    assert [int(r.split(",")[1]) for r in rows[1:]] == list(range(1050))
