@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+from backend.runs.state import TERMINAL  # plain enums: no SQLAlchemy, no FastAPI
+
+TERMINAL_STATES = frozenset(s.value for s in TERMINAL)
 
 
 class YattAPIError(Exception):

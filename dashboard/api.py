@@ -85,9 +85,11 @@ def create_run(
     tags: Sequence[str] = (),
     name: str | None = None,
     description: str | None = None,
+    idempotency_key: str | None = None,
 ) -> dict[str, Any]:
+    """Queue a run; the same `idempotency_key` again returns the same run (HTTP 200)."""
     return c.create_run(experiment=experiment, config=config, tags=tags, name=name,
-                        description=description)
+                        description=description, idempotency_key=idempotency_key)
 
 
 def list_experiments(c: YattClient) -> list[dict[str, Any]]:

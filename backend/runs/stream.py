@@ -37,7 +37,7 @@ from backend.metrics.models import MetricPoint
 from backend.runs import service
 from backend.runs.models import Run, RunEvent
 from backend.runs.schemas import EventOut
-from backend.runs.state import TERMINAL, RunState
+from backend.runs.state import is_over as state_is_over
 
 LAG_S = 10.0  # how long a row may commit after a higher id became visible and still be sent
 WINDOW_ROWS = 50_000  # at most this many ids are remembered above the floor
@@ -106,7 +106,7 @@ def _state(run: Run) -> dict[str, Any]:
 
 def is_over(run: Run) -> bool:
     """Final, and no retry will follow (a failed attempt with attempts left is not the end)."""
-    return RunState(run.state) in TERMINAL and not service.can_retry(run)
+    return state_is_over(run.state, run.attempt, run.max_attempts)
 
 
 @dataclass

@@ -15,11 +15,11 @@ import yaml
 from dashboard import api, session
 from dashboard.charts import gantt_figure, line_figure, metric_panels, phase_share, phase_spans
 from dashboard.tables import (
-    ACTIVE_STATES,
-    TERMINAL_STATES,
+    CANCELLABLE_STATES,
     RunEvents,
     event_rows,
     format_duration,
+    keeps_refreshing,
     launched_by,
     parse_time,
 )
@@ -89,7 +89,7 @@ def _buttons(run: dict[str, Any]) -> str:
     """Cancel / retry, the CSV download and the x-axis choice, in one row; returns the x axis."""
     state = run["state"]
     row = st.container(horizontal=True, vertical_alignment="center")
-    if state in {"queued", "starting", "running"} and row.button(
+    if state in CANCELLABLE_STATES and row.button(
         "Cancel run", icon=":material/cancel:", key="cancel"
     ):
         try:
@@ -247,7 +247,7 @@ except api.ApiError as exc:
     session.show_api_error(exc, f"load run #{run_id}")
     st.stop()
 
-active = first["state"] in ACTIVE_STATES
+active = keeps_refreshing(first)  # unfinished, or failed with a retry to come
 
 
 @st.fragment(run_every=REFRESH_S if active else None)
@@ -257,8 +257,8 @@ def live() -> None:
     except api.ApiError as exc:
         session.show_api_error(exc, f"refresh run #{run_id}")
         return
-    if active and run["state"] in TERMINAL_STATES:
-        st.rerun(scope="app")  # the run ended: redraw once, without the timer
+    if active and not keeps_refreshing(run):
+        st.rerun(scope="app")  # the run ended, no retry to come: redraw once, without the timer
     _header(run)
     x = _buttons(run)
     try:
@@ -270,7 +270,8 @@ def live() -> None:
     except api.ApiError as exc:
         session.show_api_error(exc, "load the run's data")
     if active:
-        st.caption(f"Live: refreshing every {REFRESH_S:g} s while the run is {run['state']}.")
+        waiting = " (a retry is pending)" if run["state"] == "failed" else ""
+        st.caption(f"Live: refreshing every {REFRESH_S:g} s while the run is {run['state']}{waiting}.")
 
 
 live()

@@ -278,6 +278,24 @@ def test_launch_shows_field_errors_then_submits_and_lands_on_the_run(
     assert run["state"] == "queued"
 
 
+def test_launch_clicked_twice_in_one_visit_makes_one_run(as_admin: SeededApi, client: YattClient) -> None:
+    def launch(visit: str) -> int:
+        at = _open("views/launch.py")
+        at.session_state["l_visit"] = visit  # the visit the page's plain render started
+        at.selectbox(key="l_exp").set_value("+ new experiment")
+        at.text_input(key="l_new_exp").set_value("dash-double-click")
+        at.text_input(key="l_name").set_value("clicked-twice")
+        next(b for b in at.button if b.label == "Launch").click().run()
+        _no_exception(at)
+        return int(at.query_params["run"])
+
+    first = launch("visit-a")
+    assert launch("visit-a") == first  # the second click of a double click: the same run
+    assert launch("visit-b") != first  # a new visit of the page is a new submission
+    runs = client.list_runs(experiment="dash-double-click", limit=10)["items"]
+    assert len(runs) == 2
+
+
 def test_launch_validates_a_ready_config(as_admin: SeededApi) -> None:
     at = _open("views/launch.py")
     assert at.selectbox(key="l_source").value == "demo-arithmetic.yaml"
