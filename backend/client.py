@@ -214,15 +214,19 @@ class YattClient:
         return int(self.request("POST", f"/runs/{run_id}/metrics", json={"points": list(points)})["accepted"])
 
     def metrics(
-        self, run_id: int, keys: Sequence[str] | None = None, *, max_points: int | None = None
+        self, run_id: int, keys: Sequence[str] | None = None, *, max_points: int | None = None,
+        after_step: int | None = None,
     ) -> dict[str, list[dict[str, Any]]]:
         """Each key's series (`{"step","value","time"}` points), sampled to `max_points` (the
-        API's default: 1,000; at most 10,000). Every point: `metrics_csv`."""
+        API's default: 1,000; at most 10,000); with `after_step`, only the points after that
+        step (the first `max_points`, not sampled). Every point: `metrics_csv`."""
         params: dict[str, Any] = {}
         if keys:
             params["keys"] = ",".join(keys)
         if max_points:
             params["max_points"] = max_points
+        if after_step is not None:
+            params["after_step"] = after_step
         return self.request("GET", f"/runs/{run_id}/metrics", params=params)["series"]  # type: ignore[no-any-return]
 
     def metrics_csv(self, run_id: int, keys: Sequence[str] | None = None) -> Iterator[bytes]:

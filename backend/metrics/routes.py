@@ -19,8 +19,8 @@ from backend.deps import (
     SettingsDep,
     writable_run,
 )
-from backend.fields import RunIdPath, StorableStr
-from backend.metrics import export, service
+from backend.fields import MAX_STEP, RunIdPath, StorableStr
+from backend.metrics import export, newer, service
 from backend.metrics.schemas import MetricBatch, MetricKeyOut, MetricSeries
 from backend.runs.schemas import Accepted
 
@@ -95,12 +95,22 @@ def get_metrics(
         Query(ge=2, le=MAX_POINTS, description="Sample each series evenly over its steps to at most "
               "this many points (always keeping the last). For every point, use `/metrics.csv`."),
     ] = DEFAULT_POINTS,
+    after_step: Annotated[
+        int | None,
+        Query(ge=-1, le=MAX_STEP, description="Only points with a larger step, the first "
+              "`max_points` of each key in step order, not sampled: what a live view lacks."),
+    ] = None,
 ) -> JSONResponse:
     """Each key's series in step order; non-finite values come back as null."""
     wanted = _keys(keys)
     if not wanted:
         wanted = [s.key for s in service.summaries(db_session=db_session, run_id=run.id)][:MAX_KEYS]
-    series = service.series(db_session=db_session, run_id=run.id, keys=wanted, max_points=max_points)
+    if after_step is not None:
+        series = newer.points_after_step(
+            db_session=db_session, run_id=run.id, keys=wanted, after_step=after_step, limit=max_points
+        )
+    else:
+        series = service.series(db_session=db_session, run_id=run.id, keys=wanted, max_points=max_points)
     return JSONResponse({"series": series})
 
 

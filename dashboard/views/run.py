@@ -14,6 +14,7 @@ import yaml
 
 from dashboard import api, session
 from dashboard.charts import gantt_figure, line_figure, metric_panels, phase_share, phase_spans
+from dashboard.live import FetchedWhenChanged, LiveSeries
 from dashboard.tables import (
     CANCELLABLE_STATES,
     RunEvents,
@@ -137,14 +138,24 @@ def _summary_row(keys: list[dict[str, Any]]) -> None:
         col.metric(label, f"{latest[key]:,}" if key == "step" else f"{latest[key]:.4g}")
 
 
-def _charts(run_id: int, x: str) -> None:
+def _kept(name: str, run_id: int, make: Any) -> Any:
+    """Per browser session and run: what the page keeps between refreshes."""
+    cache: dict[int, Any] = st.session_state.setdefault(f"run_{name}", {})
+    return cache.setdefault(run_id, make())
+
+
+def _charts(run: dict[str, Any], x: str) -> None:
+    run_id = run["id"]
     keys = api.metric_keys(c, run_id)
     if not keys:
         st.info("No metrics yet: charts appear with the trainer's first report.")
         return
     _summary_row(keys)
     panels = metric_panels(k["key"] for k in keys)
-    series = api.metrics(c, run_id, [k for p in panels for k in p.keys], max_points=MAX_POINTS)
+    live_series: LiveSeries = _kept("series", run_id, lambda: LiveSeries(max_points=MAX_POINTS))
+    # only the steps after the ones already drawn are fetched (all again on a new attempt)
+    series = live_series.refresh(c, run_id, [k for p in panels for k in p.keys],
+                                 {k["key"]: k for k in keys}, attempt=int(run.get("attempt") or 1))
     main = [p for p in panels if p.primary]
     cols = st.columns(2)
     for i, panel in enumerate(main):
@@ -215,7 +226,9 @@ def _activity(run: dict[str, Any], log: RunEvents) -> None:
         lines = text.splitlines()[-200:]
         st.code("\n".join(lines) or "(no log output yet)", language=None)
     with tab_ckpt:
-        ckpts = api.checkpoints(c, run_id)
+        saved = sum(1 for e in log.text if e.get("kind") == "checkpoint")
+        ckpts = _kept("checkpoints", run_id, FetchedWhenChanged).get(
+            saved, lambda: api.checkpoints(c, run_id))  # again only after a checkpoint event
         if ckpts:
             df = pd.DataFrame(ckpts)
             st.dataframe(df[[col for col in ("step", "attempt", "path", "size_bytes", "metrics",
@@ -224,7 +237,8 @@ def _activity(run: dict[str, Any], log: RunEvents) -> None:
         else:
             st.caption("No checkpoints yet.")
     with tab_attempts:
-        attempts = api.attempts(c, run_id)
+        attempts = _kept("attempts", run_id, FetchedWhenChanged).get(
+            (run.get("attempt"), run["state"]), lambda: api.attempts(c, run_id))
         st.caption(f"Attempt {run.get('attempt', 1)} of at most {run.get('max_attempts', 1)}.")
         if attempts:
             st.dataframe(pd.DataFrame(attempts), hide_index=True, width="stretch")
@@ -262,7 +276,7 @@ def live() -> None:
     _header(run)
     x = _buttons(run)
     try:
-        _charts(run_id, x)
+        _charts(run, x)
         st.subheader("Phase timeline")
         log = _run_events(run_id)
         _timeline(log)

@@ -298,3 +298,16 @@ def test_submission_key_is_stable_per_visit_and_request() -> None:
     assert submission_key("v1", body) != submission_key("v2", body)
     assert submission_key("v1", body) != submission_key("v1", {**body, "tags": ["b"]})
     assert len(submission_key("v1", body)) <= 200  # the API's header limit
+
+
+def test_fetched_when_changed_calls_again_only_on_a_new_version() -> None:
+    from dashboard.live import FetchedWhenChanged
+
+    calls: list[int] = []
+    kept = FetchedWhenChanged()
+
+    def fetch() -> int:
+        calls.append(1)
+        return len(calls)
+
+    assert kept.get(0, fetch) == 1 and kept.get(0, fetch) == 1 and kept.get(1, fetch) == 2
