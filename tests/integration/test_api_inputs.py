@@ -112,8 +112,15 @@ def test_tampered_cursor_is_422(live_api: LiveAPI) -> None:
         live_api.client.create_run(experiment="exp", config=CONFIG)
     cursor = live_api.client.list_runs(limit=1)["next_cursor"]
     assert cursor
+    import base64
+
+    def forged(*parts: Any) -> str:  # well-formed base64 JSON, wrong types or ranges inside
+        return base64.urlsafe_b64encode(json.dumps(["-created_at", *parts]).encode()).decode()
+
+    forgeries = [forged(0, "abc", 1), forged("a", 1, 1), forged(0, {"x": 1}, 1), forged(0, 1, 2**70),
+                 forged(0, [1], 1), forged(2, 1, 1), forged(0, 1, "1"), forged(0, 2**80, 1)]
     with http(live_api) as c:
-        for bad in (cursor[:-3] + "AAA", "x" * 40, "!!!", cursor[::-1], "W10", "WyJ4Il0"):
+        for bad in (cursor[:-3] + "AAA", "x" * 40, "!!!", cursor[::-1], "W10", "WyJ4Il0", *forgeries):
             r = c.get("/runs", params={"limit": 1, "cursor": bad})
             assert r.status_code == 422, (bad, r.text)
             assert "cursor" in r.json()["detail"]
