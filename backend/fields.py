@@ -4,7 +4,7 @@ characters PostgreSQL or SQLite cannot store, durations a `timedelta` can hold."
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Path
 from pydantic import AfterValidator, Field
@@ -28,6 +28,24 @@ def storable_text(value: str) -> str:
 
 # Text that PostgreSQL and SQLite can both store (no NUL, valid Unicode).
 StorableStr = Annotated[str, AfterValidator(storable_text)]
+
+
+def storable_json(value: Any) -> Any:
+    """`value` unchanged, or ValueError when any key or string inside it cannot be stored."""
+    if isinstance(value, str):
+        storable_text(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            storable_json(k)
+            storable_json(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            storable_json(v)
+    return value
+
+
+# A free-form JSON object (a config, event data, a summary) whose every string is storable.
+StorableDict = Annotated[dict[str, Any], AfterValidator(storable_json)]
 
 RunIdPath = Annotated[int, Path(ge=1, le=INT32_MAX, description="A run id.")]
 ExperimentIdPath = Annotated[int, Path(ge=1, le=INT32_MAX, description="An experiment id.")]

@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from backend.fields import MAX_DURATION_S, Size, Step, StorableStr
+from backend.fields import MAX_DURATION_S, Size, Step, StorableDict, StorableStr, storable_json
 from backend.runs.state import RunState
 
 Tag = Annotated[StorableStr, Field(min_length=1, max_length=100)]
@@ -38,6 +38,11 @@ class CIInfo(BaseModel):
     pipeline_url: StorableStr | None = Field(None, max_length=1000)
     job: StorableStr | None = Field(None, max_length=200)
 
+    @model_validator(mode="after")
+    def _extras_storable(self) -> CIInfo:
+        storable_json(self.model_extra or {})
+        return self
+
 
 class RunCreate(BaseModel):
     model_config = ConfigDict(
@@ -58,7 +63,7 @@ class RunCreate(BaseModel):
     experiment: StorableStr = Field(..., min_length=1, max_length=200, description="Created if needed.")
     name: StorableStr | None = Field(None, max_length=200, description="Default: `<experiment>-<id>`.")
     description: StorableStr = Field("", max_length=10_000)
-    config: dict[str, Any] = Field(default_factory=dict, description="A TrainerConfig.")
+    config: StorableDict = Field(default_factory=dict, description="A TrainerConfig.")
     tags: list[Tag] = Field(default_factory=list, max_length=50)
     ci: CIInfo | None = Field(None, description="Set by CI jobs: marks the run as launched by CI.")
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first.")
@@ -71,7 +76,7 @@ class RunCreate(BaseModel):
 class ConfigValidate(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{"config": EXAMPLE_CONFIG}]})
 
-    config: dict[str, Any] = Field(default_factory=dict)
+    config: StorableDict = Field(default_factory=dict)
 
 
 class ConfigValid(BaseModel):
@@ -147,9 +152,9 @@ class StateUpdate(BaseModel):
 
     state: RunState
     reason: StorableStr | None = Field(None, max_length=20_000)
-    summary: dict[str, Any] | None = None
+    summary: StorableDict | None = None
     code_version: StorableStr | None = Field(None, max_length=200)
-    package_versions: dict[str, Any] | None = None
+    package_versions: StorableDict | None = None
     run_dir: StorableStr | None = Field(None, max_length=1000)
 
 
@@ -202,7 +207,7 @@ class EventIn(BaseModel):
 
     kind: StorableStr = Field(..., min_length=1, max_length=50, examples=["placement", "phase_spans"])
     message: StorableStr = Field("", max_length=20_000)
-    data: dict[str, Any] | None = None
+    data: StorableDict | None = None
     time: datetime | None = Field(None, description="Unix seconds or ISO-8601; default: now.")
 
 
@@ -247,7 +252,7 @@ class CheckpointIn(BaseModel):
     step: Step
     path: StorableStr = Field(..., min_length=1, max_length=1000)
     size_bytes: Size | None = None
-    metrics: dict[str, Any] | None = None
+    metrics: StorableDict | None = None
 
 
 class CheckpointOut(BaseModel):

@@ -234,3 +234,21 @@ def test_csv_export_pages_through_a_series_longer_than_a_page(live_api: LiveAPI,
     live_api.client.post_metrics(run["id"], [{"key": "loss", "step": s, "value": 1.0} for s in range(1050)])
     rows = b"".join(live_api.client.metrics_csv(run["id"])).decode().splitlines()
     assert [int(r.split(",")[1]) for r in rows[1:]] == list(range(1050))
+
+
+def test_unstorable_text_inside_free_form_json_is_422(live_api: LiveAPI) -> None:
+    run = live_api.client.create_run(experiment="exp", config=CONFIG)
+    with http(live_api) as c:
+        bodies = [
+            (f"/runs/{run['id']}/events", {"events": [{"kind": "warning", "data": {"a\x00": "b\x00\ud800"}}]}),
+            (f"/runs/{run['id']}/checkpoints", {"step": 1, "path": "/ck", "metrics": {"x": "\x00"}}),
+            ("/runs", {"experiment": "e", "config": {**CONFIG, "name": "\x00"}}),
+            ("/runs", {"experiment": "e", "ci": {"extra": "\x00\ud800"}}),
+            ("/runs/validate", {"config": {"model": {"path": "\x00"}}}),
+        ]
+        for path, body in bodies:
+            r = c.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+            assert r.status_code == 422 and "cannot be stored" in r.text, (path, r.status_code, r.text)
+        assert c.get(f"/runs/{run['id']}/events").status_code == 200
+        assert c.get(f"/runs/{run['id']}/checkpoints").status_code == 200
+        assert c.get("/runs").status_code == 200
