@@ -104,7 +104,8 @@ def metric_keys(c: YattClient, run_id: int) -> list[dict[str, Any]]:
 def metrics(
     c: YattClient, run_id: int, keys: Sequence[str], *, max_points: int | None = 800
 ) -> dict[str, list[dict[str, Any]]]:
-    """Each key's series, downsampled by the API to at most `max_points` points (None: all)."""
+    """Each key's series, downsampled by the API to at most `max_points` points (None: the
+    API's default, 1,000; every point: `metrics_csv`)."""
     if not keys:
         return {}
     return c.metrics(run_id, list(keys), max_points=max_points)
