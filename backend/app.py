@@ -194,6 +194,7 @@ def create_app(settings: Settings | None = None, database: Database | None = Non
     app.add_exception_handler(RunNotFound, _status(404))
     app.add_exception_handler(InvalidQuery, _status(422))
     app.add_exception_handler(DataError, _unstorable)
+    app.add_exception_handler(OverflowError, _unstorable)  # SQLite: an int beyond 64 bits
     app.add_exception_handler(RequestValidationError, _request_invalid)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 

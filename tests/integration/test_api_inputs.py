@@ -107,6 +107,13 @@ def test_lengths_and_durations_match_the_columns(live_api: LiveAPI) -> None:
     assert live_api.client.list_runs()["items"] == []
 
 
+def test_config_seed_beyond_64_bits_is_422_naming_it(live_api: LiveAPI) -> None:
+    with http(live_api) as c:
+        r = c.post("/runs", json={"experiment": "e", "config": {**CONFIG, "seed": 2**64}})
+        assert r.status_code == 422 and "seed" in r.text, r.text
+    assert live_api.client.list_runs()["items"] == []
+
+
 def test_tampered_cursor_is_422(live_api: LiveAPI) -> None:
     for _ in range(3):
         live_api.client.create_run(experiment="exp", config=CONFIG)
