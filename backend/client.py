@@ -268,6 +268,17 @@ class YattClient:
         params = {k: v for k, v in {"attempt": attempt, "tail": tail}.items() if v is not None}
         return str(self.request("GET", f"/runs/{run_id}/logs", params=params, text=True))
 
+    def logs_since(
+        self, run_id: int, offset: int | None, *, tail: int | None = None, attempt: int | None = None
+    ) -> tuple[str, int]:
+        """`(new text, length)`: the log after `offset` characters (all of it, or its last `tail`
+        lines, for None or an offset past a shorter copy); pass `length` as the next offset."""
+        params = {k: v for k, v in {"offset": offset, "tail": tail, "attempt": attempt}.items() if v is not None}
+        response = self._http.get(f"/api/v1/runs/{run_id}/logs", params=params)
+        if response.status_code >= 400:
+            raise _error_of(response)
+        return response.text, int(response.headers.get("Log-Length", len(response.text)))
+
     def follow_logs(self, run_id: int, *, attempt: int | None = None) -> Iterator[str]:
         """The log as it grows, chunk by chunk, until the attempt ends."""
         params: dict[str, Any] = {"follow": True}

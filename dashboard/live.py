@@ -79,3 +79,34 @@ class FetchedWhenChanged:
         if self.value is None or version != self.version:
             self.value, self.version = fetch(), version
         return self.value
+
+
+@dataclass
+class LiveLog:
+    """The last `keep_lines` lines of an attempt's log: the first read asks for that tail, each
+    later one only for the text after the length already read (`GET /logs?offset=`)."""
+
+    keep_lines: int = 200
+    attempt: int = 0
+    length: int | None = None
+    text: str = ""
+    requests: int = 0
+
+    def refresh(self, client: YattClient, run_id: int, attempt: int) -> str:
+        if attempt != self.attempt:
+            self.attempt, self.length, self.text = attempt, None, ""
+        if self.length is not None:
+            new, length = client.logs_since(run_id, self.length, attempt=attempt)
+            self.requests += 1
+            if length >= self.length:
+                self._keep(self.text + new, length)
+                return self.text
+        # the first read, or a shorter copy than the one read so far (Ray's is gone): its tail
+        tail, length = client.logs_since(run_id, None, tail=self.keep_lines, attempt=attempt)
+        self.requests += 1
+        self._keep(tail, length)
+        return self.text
+
+    def _keep(self, text: str, length: int) -> None:
+        self.text = "".join(text.splitlines(keepends=True)[-self.keep_lines:])
+        self.length = length

@@ -99,7 +99,12 @@ async def follow_log(
     "/runs/{run_id}/logs",
     response_class=PlainTextResponse,
     summary="The trainer's log of one attempt",
-    responses={200: {"content": {"text/plain": {"example": "step 1 reward=0.41 …\n"}}}},
+    responses={200: {
+        "content": {"text/plain": {"example": "step 1 reward=0.41 …\n"}},
+        "headers": {"Log-Length": {"description": "Characters in this copy of the log: pass it as "
+                                   "`offset` next time to get only what follows.",
+                                   "schema": {"type": "integer"}}},
+    }},
 )
 async def run_logs(
     run: DetachedReadableRun,
@@ -108,6 +113,11 @@ async def run_logs(
     attempt: Annotated[int | None, Query(ge=1, description="Default: the current attempt.")] = None,
     follow: Annotated[bool, Query(description="Stream new lines until the attempt ends.")] = False,
     tail: Annotated[int | None, Query(ge=1, le=100_000, description="Only the last N lines.")] = None,
+    offset: Annotated[
+        int | None,
+        Query(ge=0, le=2**62, description="Only the text after this many characters (a live view's "
+              "`Log-Length` from its last read); `tail` then applies to that part."),
+    ] = None,
 ) -> Any:
     """Ray's live copy while the job exists, the stored copy after it ends (Ray forgets logs)."""
     number = attempt or run.attempt
@@ -122,7 +132,8 @@ async def run_logs(
 
     first = await read()
     if not follow:
-        return PlainTextResponse(tail_lines(first.text, tail))
+        text = first.text[offset:] if offset is not None and offset <= len(first.text) else first.text
+        return PlainTextResponse(tail_lines(text, tail), headers={"Log-Length": str(len(first.text))})
     return StreamingResponse(follow_log(read, first=first, tail=tail), media_type="text/plain")
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from dashboard import api, session
 from dashboard.charts import gantt_figure, line_figure, metric_panels, phase_share, phase_spans
-from dashboard.live import FetchedWhenChanged, LiveSeries
+from dashboard.live import FetchedWhenChanged, LiveLog, LiveSeries
 from dashboard.tables import (
     CANCELLABLE_STATES,
     RunEvents,
@@ -218,13 +218,13 @@ def _activity(run: dict[str, Any], log: RunEvents) -> None:
         else:
             st.caption("No events yet.")
     with tab_logs:
-        try:
-            text = api.logs(c, run_id)
+        live_log: LiveLog = _kept("log", run_id, LiveLog)
+        try:  # only the text appended since the last refresh is fetched
+            text = live_log.refresh(c, run_id, attempt=int(run.get("attempt") or 1))
         except api.ApiError as exc:
             text = ""
             st.caption(f"No logs to show ({exc.status}: {exc.message}).")
-        lines = text.splitlines()[-200:]
-        st.code("\n".join(lines) or "(no log output yet)", language=None)
+        st.code(text.rstrip("\n") or "(no log output yet)", language=None)
     with tab_ckpt:
         saved = sum(1 for e in log.text if e.get("kind") == "checkpoint")
         ckpts = _kept("checkpoints", run_id, FetchedWhenChanged).get(
