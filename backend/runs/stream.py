@@ -84,10 +84,22 @@ class RowTail:
         return fresh
 
 
-def _rows_after(db_session: Session, model: Any, run_id: int, floor: int, limit: int) -> list[Any]:
+def point_rows_after(db_session: Session, run_id: int, floor: int, limit: int = PAGE) -> list[Any]:
+    """A run's points with id > floor, in id order: plain rows (no ORM objects, a page is 5,000)."""
+    mp = MetricPoint
+    return list(
+        db_session.execute(
+            select(mp.id, mp.key, mp.step, mp.value, mp.time)
+            .where(mp.run_id == run_id, mp.id > floor).order_by(mp.id).limit(limit)
+        )
+    )
+
+
+def event_rows_after(db_session: Session, run_id: int, floor: int, limit: int = PAGE) -> list[RunEvent]:
+    """A run's events with id > floor, in id order."""
     return list(
         db_session.scalars(
-            select(model).where(model.run_id == run_id, model.id > floor).order_by(model.id).limit(limit)
+            select(RunEvent).where(RunEvent.run_id == run_id, RunEvent.id > floor).order_by(RunEvent.id).limit(limit)
         )
     )
 
@@ -96,7 +108,7 @@ def _sse(event: str, data: Any, event_id: str) -> ServerSentEvent:
     return ServerSentEvent(data=json.dumps(data, separators=(",", ":"), default=str), event=event, id=event_id)
 
 
-def _point(p: MetricPoint) -> dict[str, Any]:
+def _point(p: Any) -> dict[str, Any]:
     return {"key": p.key, "step": p.step, "value": p.value, "time": p.time}
 
 
@@ -137,8 +149,8 @@ class RunStream:
             if run is None:
                 self.over = True
                 return [_sse("state", {"run_id": self.run_id, "state": None, "deleted": True}, self.event_id())]
-            point_rows = _rows_after(s, MetricPoint, self.run_id, self.points.floor, PAGE)
-            event_rows = _rows_after(s, RunEvent, self.run_id, self.events.floor, PAGE)
+            point_rows = point_rows_after(s, self.run_id, self.points.floor)
+            event_rows = event_rows_after(s, self.run_id, self.events.floor)
             new_points = self.points.take(point_rows)
             new_events = self.events.take(event_rows)
             self.full_page = len(point_rows) == PAGE or len(event_rows) == PAGE
