@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import DataError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.auth.routes import router as auth_router
 from backend.db import Database
 from backend.dispatch import routes as dispatch_routes
 from backend.metrics.routes import router as metrics_router
+from backend.metrics.schemas import MetricBatch
+from backend.problems import COMMON_RESPONSES
 from backend.runs.routes import router as runs_router
 from backend.runs.service import IdempotencyConflict, InvalidQuery, RunNotFound
 from backend.runs.state import IllegalTransition
@@ -27,10 +34,14 @@ API_PREFIX = "/api/v1"
 
 
 class BodySizeLimit:
-    """Answer 413 to request bodies over `max_bytes`, declared or streamed."""
+    """Answer 413 to request bodies over `max_bytes`, declared or streamed.
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    The rest of an oversize body is read and dropped before the answer (up to `drain_bytes`):
+    a server that answers and closes while the client still sends makes the client see a
+    reset connection instead of the 413."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, drain_bytes: int = 256 * 1024 * 1024):
+        self.app, self.max_bytes, self.drain_bytes = app, max_bytes, drain_bytes
         self._message = f"request body larger than {max_bytes} bytes (YATT_MAX_BODY_BYTES)"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -39,17 +50,22 @@ class BodySizeLimit:
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._drain(receive, 0)
                 await self._too_large(send)
                 return
         seen = 0
         started = False
+        too_large = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, too_large
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    too_large = True
+                    if message.get("more_body", False):
+                        await self._drain(receive, seen)
                     # an HTTPException is what FastAPI lets through while it reads a body
                     raise HTTPException(413, self._message)
             return message
@@ -62,10 +78,18 @@ class BodySizeLimit:
         try:
             await self.app(scope, limited_receive, tracking_send)
         except HTTPException as exc:
-            if exc.status_code != 413 or started:
+            if exc.status_code != 413 or not too_large or started:
                 raise
-            if not started:
-                await self._too_large(send)
+            await self._too_large(send)
+
+    async def _drain(self, receive: Receive, seen: int) -> None:
+        while seen <= self.drain_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
     async def _too_large(self, send: Send) -> None:
         response = JSONResponse({"detail": self._message}, status_code=413)
@@ -74,6 +98,29 @@ class BodySizeLimit:
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
+
+
+def _request_invalid(request: Request, exc: Exception) -> Response:
+    """FastAPI's 422, rendered so that any input can be echoed back: bytes that are not UTF-8
+    and lone surrogates would otherwise turn the 422 into a 500 while encoding it."""
+    assert isinstance(exc, RequestValidationError)
+    errors = []
+    for error in exc.errors():
+        error = dict(error)
+        if isinstance(error.get("input"), bytes):
+            error["input"] = error["input"].decode("utf-8", "replace")
+        errors.append(error)
+    body = json.dumps({"detail": jsonable_encoder(errors)}, ensure_ascii=True, default=str)
+    return Response(body, status_code=422, media_type="application/json")
+
+
+def _unstorable(request: Request, exc: Exception) -> JSONResponse:
+    # The last line of defence: input validation should have refused this with a named field.
+    log.warning("the database refused a value: %s", exc)
+    return JSONResponse(
+        {"detail": "a value in this request cannot be stored (out of range or invalid characters)"},
+        status_code=422,
+    )
 
 
 def _config_error(request: Request, exc: Exception) -> JSONResponse:
@@ -95,6 +142,24 @@ def _status(code: int) -> Any:
         return JSONResponse({"detail": str(exc)}, status_code=code)
 
     return handler
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the bodies routes parse by hand (MetricBatch), so every
+    `$ref` resolves."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, summary=app.summary,
+            description=app.description, routes=app.routes,
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (MetricBatch,):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, sub in body.pop("$defs", {}).items():
+                components.setdefault(name, sub)
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def create_app(settings: Settings | None = None, database: Database | None = None) -> FastAPI:
@@ -128,6 +193,10 @@ def create_app(settings: Settings | None = None, database: Database | None = Non
     app.add_exception_handler(IdempotencyConflict, _status(409))
     app.add_exception_handler(RunNotFound, _status(404))
     app.add_exception_handler(InvalidQuery, _status(422))
+    app.add_exception_handler(DataError, _unstorable)
+    app.add_exception_handler(OverflowError, _unstorable)  # SQLite: an int beyond 64 bits
+    app.add_exception_handler(RequestValidationError, _request_invalid)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:
@@ -139,13 +208,14 @@ def create_app(settings: Settings | None = None, database: Database | None = Non
         """The database answers."""
         try:
             request.app.state.db.ping()
-        except Exception as exc:  # any failure means not ready
-            return JSONResponse({"status": "unavailable", "detail": str(exc)[:500]}, status_code=503)
+        except Exception:  # any failure means not ready; the cause goes to the log, not the caller
+            log.warning("readiness check: the database does not answer", exc_info=True)
+            return JSONResponse({"status": "unavailable", "detail": "database unavailable"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    app.include_router(auth_router, prefix=API_PREFIX)
-    app.include_router(runs_router, prefix=API_PREFIX)
-    app.include_router(metrics_router, prefix=API_PREFIX)
-    app.include_router(dispatch_routes.router, prefix=API_PREFIX)
+    app.include_router(auth_router, prefix=API_PREFIX, responses=COMMON_RESPONSES)
+    app.include_router(runs_router, prefix=API_PREFIX, responses=COMMON_RESPONSES)
+    app.include_router(metrics_router, prefix=API_PREFIX, responses=COMMON_RESPONSES)
+    app.include_router(dispatch_routes.router, prefix=API_PREFIX, responses=COMMON_RESPONSES)
     dispatch_routes.install(app)
     return app

@@ -12,12 +12,12 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="yatt: manage
 
 def _register() -> None:
     # Each module exposes `register(app)` and imports its heavy dependencies lazily.
-    from backend import cli_service
+    from backend import cli_service, local_stack
     from backend.dispatch import cli as dispatch_cli
     from dashboard import cli as dashboard_cli
     from trainer import cli as trainer_cli
 
-    for module in (cli_service, dispatch_cli, trainer_cli, dashboard_cli):
+    for module in (cli_service, dispatch_cli, local_stack, trainer_cli, dashboard_cli):
         module.register(app)
 
 

@@ -16,6 +16,7 @@ import typer
 import yaml
 
 from backend.client import YattAPIError, YattClient
+from backend.runs.state import retry_pending
 
 db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
 token_app = typer.Typer(no_args_is_help=True, help="API tokens.")
@@ -270,13 +271,82 @@ def runs_list(
         typer.echo(f"(more: --limit or the API's cursor {page['next_cursor']})", err=True)
 
 
+# The headline metrics of a summary, in this order, when the run reported them.
+SUMMARY_KEYS = (
+    "eval/accuracy", "reward/mean", "kl/mean", "loss/policy", "throughput/gen_tokens_per_s",
+    "throughput/samples_per_s",
+)
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def run_summary(
+    run: dict[str, Any], attempts: list[dict[str, Any]], keys: list[dict[str, Any]], *,
+    api_url: str, dashboard_url: str | None = None,
+) -> str:
+    """A run as a person reads it: what it is, its state and attempts, its key metrics and
+    accuracy, and where to look next."""
+    lines = [f"run {run['id']}  {run.get('name', '')}  ({run.get('experiment', '')})"]
+    state = run["state"]
+    if retry_pending(state, run.get("attempt", 1), run.get("max_attempts", 1)):
+        state += " (a retry is pending)"
+    lines.append(f"  state      {state}, attempt {run.get('attempt', 1)} of {run.get('max_attempts', 1)}")
+    by = run.get("launched_by", "user")
+    ci = run.get("ci") or {}
+    if by == "ci" and ci:
+        by += f" {ci.get('commit') or ''} {ci.get('branch') or ''}".rstrip()
+    lines.append(f"  launched   {str(run.get('created_at', ''))[:19]} by {by}")
+    if run.get("tags"):
+        lines.append(f"  tags       {', '.join(run['tags'])}")
+    if run.get("error"):
+        lines.append(f"  error      {run['error'].splitlines()[0][:200]}")
+    for a in attempts:
+        end = str(a.get("finished_at") or "")[:19] or "-"
+        error = f"  {a['error'].splitlines()[0][:80]}" if a.get("error") else ""
+        lines.append(f"  attempt {a['number']}  {a['state']:<10} started {str(a.get('started_at') or '-')[:19]}"
+                     f"  ended {end}{error}")
+    by_key = {k["key"]: k for k in keys}
+    shown = [k for k in SUMMARY_KEYS if k in by_key]
+    if shown:
+        lines.append("  metrics    latest (at step)     min          max")
+        for key in shown:
+            k = by_key[key]
+            lines.append(f"    {key:<30} {_number(k.get('latest')):>10} ({k.get('latest_step')})"
+                         f"  {_number(k.get('min')):>10}  {_number(k.get('max')):>10}")
+    summary = run.get("summary") or {}
+    accuracy = {k: v for k, v in summary.items() if "accuracy" in k}
+    if accuracy:
+        lines.append("  accuracy   " + ", ".join(f"{k} {_number(v)}" for k, v in sorted(accuracy.items())))
+    lines.append(f"  api        {api_url.rstrip('/')}/api/v1/runs/{run['id']}")
+    if dashboard_url:
+        lines.append(f"  dashboard  {dashboard_url.rstrip('/')}/run?run={run['id']}")
+    if run.get("run_dir"):
+        lines.append(f"  run dir    {run['run_dir']}")
+    return "\n".join(lines)
+
+
 @runs_app.command("show")
-def runs_show(run_id: int) -> None:
-    """Print a run as JSON."""
+def runs_show(
+    run_id: int,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the run as JSON (for scripts).")] = False,
+) -> None:
+    """A run's summary: state, attempts, key metrics, accuracy, links."""
+    client = _client()
     try:
-        _dump(_client().get_run(run_id))
+        run = client.get_run(run_id)
+        if as_json:
+            _dump(run)
+            return
+        attempts = client.attempts(run_id)
+        keys = client.metric_keys(run_id)
     except YattAPIError as exc:
         raise _fail(exc) from None
+    typer.echo(run_summary(run, attempts, keys, api_url=client.api_url,
+                           dashboard_url=os.environ.get("YATT_DASHBOARD_URL")))
 
 
 @runs_app.command("cancel")

@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+from backend.runs.state import TERMINAL  # plain enums: no SQLAlchemy, no FastAPI
+
+TERMINAL_STATES = frozenset(s.value for s in TERMINAL)
 
 
 class YattAPIError(Exception):
@@ -213,14 +215,19 @@ class YattClient:
         return int(self.request("POST", f"/runs/{run_id}/metrics", json={"points": list(points)})["accepted"])
 
     def metrics(
-        self, run_id: int, keys: Sequence[str] | None = None, *, max_points: int | None = None
+        self, run_id: int, keys: Sequence[str] | None = None, *, max_points: int | None = None,
+        after_step: int | None = None,
     ) -> dict[str, list[dict[str, Any]]]:
-        """Each key's series (`{"step","value","time"}` points), sampled to `max_points` if given."""
+        """Each key's series (`{"step","value","time"}` points), sampled to `max_points` (the
+        API's default: 1,000; at most 10,000); with `after_step`, only the points after that
+        step (the first `max_points`, not sampled). Every point: `metrics_csv`."""
         params: dict[str, Any] = {}
         if keys:
             params["keys"] = ",".join(keys)
         if max_points:
             params["max_points"] = max_points
+        if after_step is not None:
+            params["after_step"] = after_step
         return self.request("GET", f"/runs/{run_id}/metrics", params=params)["series"]  # type: ignore[no-any-return]
 
     def compare(
@@ -231,6 +238,18 @@ class YattClient:
         if keys:
             params["keys"] = ",".join(keys)
         return self.request("GET", "/runs/compare", params=params)["runs"]  # type: ignore[no-any-return]
+
+    def metrics_csv(self, run_id: int, keys: Sequence[str] | None = None) -> Iterator[bytes]:
+        """Every point of the run (or of `keys`) as CSV `key,step,value,time`, chunk by chunk
+        as the API streams it."""
+        params = {"keys": ",".join(keys)} if keys else {}
+        with self._http.stream(
+            "GET", f"/api/v1/runs/{run_id}/metrics.csv", params=params, timeout=httpx.Timeout(30, read=300)
+        ) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise _error_of(response)
+            yield from response.iter_bytes()
 
     def metric_keys(self, run_id: int) -> list[dict[str, Any]]:
         """`[{"key","latest","latest_step","min","max","count"}]`."""
@@ -259,6 +278,17 @@ class YattClient:
         params = {k: v for k, v in {"attempt": attempt, "tail": tail}.items() if v is not None}
         return str(self.request("GET", f"/runs/{run_id}/logs", params=params, text=True))
 
+    def logs_since(
+        self, run_id: int, offset: int | None, *, tail: int | None = None, attempt: int | None = None
+    ) -> tuple[str, int]:
+        """`(new text, length)`: the log after `offset` characters (all of it, or its last `tail`
+        lines, for None or an offset past a shorter copy); pass `length` as the next offset."""
+        params = {k: v for k, v in {"offset": offset, "tail": tail, "attempt": attempt}.items() if v is not None}
+        response = self._http.get(f"/api/v1/runs/{run_id}/logs", params=params)
+        if response.status_code >= 400:
+            raise _error_of(response)
+        return response.text, int(response.headers.get("Log-Length", len(response.text)))
+
     def follow_logs(self, run_id: int, *, attempt: int | None = None) -> Iterator[str]:
         """The log as it grows, chunk by chunk, until the attempt ends."""
         params: dict[str, Any] = {"follow": True}
@@ -275,24 +305,60 @@ class YattClient:
     def cluster(self) -> dict[str, Any]:
         return self.request("GET", "/cluster")  # type: ignore[no-any-return]
 
-    def stream(self, run_id: int, *, timeout: float | None = None) -> Iterator[tuple[str, Any]]:
-        """Server-Sent Events of a run as `(event, data)`: `state`, `metric`, `event`.
-        Ends when the run reaches a final state."""
-        with self._http.stream(
-            "GET", f"/api/v1/runs/{run_id}/stream", timeout=httpx.Timeout(timeout or 60.0, read=timeout)
-        ) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise _error_of(response)
-            event, data = "message", list[str]()
-            for line in response.iter_lines():
-                if not line:
-                    if data:
-                        yield event, json.loads("\n".join(data))
-                    event, data = "message", []
-                elif line.startswith(":"):
-                    continue
-                elif line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:"):
-                    data.append(line[5:].lstrip())
+    def stream(
+        self, run_id: int, *, timeout: float | None = None, last_event_id: str | None = None,
+        reconnects: int = 3,
+    ) -> Iterator[tuple[str, Any]]:
+        """Server-Sent Events of a run as `(event, data)`: `state`, `metric`, `event`; from its
+        history on, or after `last_event_id`. A dropped connection is resumed where it broke
+        (`Last-Event-ID`, up to `reconnects` times). Ends when the run is final, retries done."""
+        for _, event, data in self.stream_with_ids(
+            run_id, timeout=timeout, last_event_id=last_event_id, reconnects=reconnects
+        ):
+            yield event, data
+
+    def stream_with_ids(
+        self, run_id: int, *, timeout: float | None = None, last_event_id: str | None = None,
+        reconnects: int = 3,
+    ) -> Iterator[tuple[str | None, str, Any]]:
+        """As `stream`, with each event's id: `(id, event, data)`."""
+        failures = 0
+        while True:
+            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            try:
+                with self._http.stream(
+                    "GET", f"/api/v1/runs/{run_id}/stream", headers=headers,
+                    timeout=httpx.Timeout(timeout or 60.0, read=timeout),
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise _error_of(response)
+                    for event_id, event, data in _sse_messages(response.iter_lines()):
+                        failures = 0
+                        last_event_id = event_id or last_event_id
+                        yield event_id, event, data
+                return
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                failures += 1
+                if failures > reconnects:
+                    raise YattAPIError(0, f"the stream of run {run_id} broke: {exc}") from exc
+                time.sleep(min(5.0, 0.5 * failures))
+
+
+def _sse_messages(lines: Iterator[str]) -> Iterator[tuple[str | None, str, Any]]:
+    """`(id, event, data)` for each Server-Sent Event in `lines` (comments skipped)."""
+    event_id: str | None = None
+    event, data = "message", list[str]()
+    for line in lines:
+        if not line:
+            if data:
+                yield event_id, event, json.loads("\n".join(data))
+            event, data = "message", []
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()

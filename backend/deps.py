@@ -13,6 +13,7 @@ from backend.auth import service as auth_service
 from backend.auth.models import Role
 from backend.auth.service import Principal
 from backend.db import Database
+from backend.fields import RunIdPath
 from backend.runs import service as run_service
 from backend.runs.models import Run
 from backend.settings import Settings
@@ -94,7 +95,7 @@ def not_found(run_id: int) -> HTTPException:
     return HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
 
 
-def readable_run(run_id: int, principal: CurrentPrincipal, db_session: ReadSessionDep) -> Run:
+def readable_run(run_id: RunIdPath, principal: CurrentPrincipal, db_session: ReadSessionDep) -> Run:
     """A run the caller may read: any run of its project for read+ tokens, its own for run tokens."""
     if principal.role is Role.run and principal.run_id != run_id:
         raise not_found(run_id)
@@ -104,7 +105,16 @@ def readable_run(run_id: int, principal: CurrentPrincipal, db_session: ReadSessi
     return run
 
 
-def run_writer(run_id: int, principal: CurrentPrincipal, db_session: SessionDep) -> Run:
+def readable_run_detached(run_id: RunIdPath, principal: CurrentPrincipal, db: DatabaseDep) -> Run:
+    """As `readable_run`, read in a session that is closed at once: for streaming answers, which
+    must not keep a session (and on SQLite a read snapshot) open while the client reads."""
+    with db.read_session() as db_session:
+        run = readable_run(run_id, principal, db_session)
+        db_session.expunge(run)  # its loaded columns stay readable after the session ends
+        return run
+
+
+def run_writer(run_id: RunIdPath, principal: CurrentPrincipal, db_session: SessionDep) -> Run:
     """A run whose telemetry the caller may write: its run token, or a write+ token of the project."""
     return writable_run(run_id=run_id, principal=principal, db_session=db_session)
 
@@ -123,4 +133,5 @@ def writable_run(*, run_id: int, principal: Principal, db_session: Session) -> R
 
 
 ReadableRun = Annotated[Run, Depends(readable_run)]
+DetachedReadableRun = Annotated[Run, Depends(readable_run_detached)]
 WritableRun = Annotated[Run, Depends(run_writer)]

@@ -28,7 +28,7 @@ __all__ = [
     "compare",
     "metric_keys",
     "metrics",
-    "all_metrics",
+    "metrics_csv",
     "events",
     "attempts",
     "checkpoints",
@@ -93,9 +93,11 @@ def create_run(
     tags: Sequence[str] = (),
     name: str | None = None,
     description: str | None = None,
+    idempotency_key: str | None = None,
 ) -> dict[str, Any]:
+    """Queue a run; the same `idempotency_key` again returns the same run (HTTP 200)."""
     return c.create_run(experiment=experiment, config=config, tags=tags, name=name,
-                        description=description)
+                        description=description, idempotency_key=idempotency_key)
 
 
 def list_experiments(c: YattClient) -> list[dict[str, Any]]:
@@ -110,15 +112,16 @@ def metric_keys(c: YattClient, run_id: int) -> list[dict[str, Any]]:
 def metrics(
     c: YattClient, run_id: int, keys: Sequence[str], *, max_points: int | None = 800
 ) -> dict[str, list[dict[str, Any]]]:
-    """Each key's series, downsampled by the API to at most `max_points` points (None: all)."""
+    """Each key's series, downsampled by the API to at most `max_points` points (None: the
+    API's default, 1,000; every point: `metrics_csv`)."""
     if not keys:
         return {}
     return c.metrics(run_id, list(keys), max_points=max_points)
 
 
-def all_metrics(c: YattClient, run_id: int) -> dict[str, list[dict[str, Any]]]:
-    """Every point of every key, for the CSV download."""
-    return c.metrics(run_id, None, max_points=None)
+def metrics_csv(c: YattClient, run_id: int) -> bytes:
+    """Every point of every key as CSV (`key,step,value,time`), streamed by the API page by page."""
+    return b"".join(c.metrics_csv(run_id))
 
 
 def events(

@@ -4,6 +4,8 @@ config, and which validation error belongs beside which field (no Streamlit here
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ __all__ = [
     "parse_yaml",
     "errors_by_field",
     "config_files",
+    "submission_key",
 ]
 
 
@@ -160,3 +163,10 @@ def config_files(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir() if p.suffix in {".yaml", ".yml"})
+
+
+def submission_key(visit: str, body: Mapping[str, Any]) -> str:
+    """The Idempotency-Key of one form submission: the same for the same request in the same
+    visit of the page (a double click launches one run), new for a changed form or a new visit."""
+    digest = hashlib.sha256(json.dumps([visit, body], sort_keys=True, default=str).encode()).hexdigest()
+    return f"dashboard-{digest[:40]}"

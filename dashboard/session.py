@@ -1,7 +1,8 @@
 """Who the dashboard talks to and as whom: the API URL, the token, and the client built on them.
 
-The token comes from `YATT_TOKEN` or the login box in the sidebar; a token the API refuses gets
-a message that says so, and the pages do not run until a good one is given.
+The token comes from the login box in the sidebar, or `YATT_TOKEN` for the API named by
+`YATT_API_URL` only (never for a URL entered in the login box); a token the API refuses gets a
+message that says so, and the pages do not run until a good one is given.
 """
 
 from __future__ import annotations
@@ -13,19 +14,32 @@ import streamlit as st
 
 from dashboard import api
 
-__all__ = ["api_url", "client", "sidebar_login", "show_api_error", "open_run"]
+__all__ = ["api_url", "configured_api_url", "server_token_for", "client", "sidebar_login", "show_api_error", "open_run"]
 
 _TOKEN = "yatt_token"
 _URL = "yatt_api_url"
 
 
+def configured_api_url() -> str:
+    """The API the dashboard was started for: `YATT_API_URL`."""
+    return os.environ.get("YATT_API_URL", "http://127.0.0.1:8000")
+
+
 def api_url() -> str:
     """The API base URL (without `/api/v1`): the login box's, else `YATT_API_URL`."""
-    return st.session_state.get(_URL) or os.environ.get("YATT_API_URL", "http://127.0.0.1:8000")
+    return st.session_state.get(_URL) or configured_api_url()
+
+
+def server_token_for(url: str) -> str:
+    """`YATT_TOKEN` when `url` is the configured API, else nothing: the server's own token is
+    never sent to an address a visitor typed in."""
+    if url.strip().rstrip("/") != configured_api_url().strip().rstrip("/"):
+        return ""
+    return os.environ.get("YATT_TOKEN", "")
 
 
 def _token() -> str:
-    return st.session_state.get(_TOKEN) or os.environ.get("YATT_TOKEN", "")
+    return st.session_state.get(_TOKEN) or server_token_for(api_url())
 
 
 @st.cache_resource(show_spinner=False)

@@ -10,9 +10,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from backend.runs.state import CANCELLABLE, TERMINAL, UNFINISHED, retry_pending
+
 __all__ = [
     "ACTIVE_STATES",
     "TERMINAL_STATES",
+    "CANCELLABLE_STATES",
+    "keeps_refreshing",
     "flatten",
     "config_diff",
     "launched_by",
@@ -27,8 +31,19 @@ __all__ = [
     "RunEvents",
 ]
 
-ACTIVE_STATES = frozenset({"queued", "starting", "running", "cancelling"})
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+# from the one definition in backend/runs/state.py: "active" here is every unfinished state
+ACTIVE_STATES = frozenset(s.value for s in UNFINISHED)
+TERMINAL_STATES = frozenset(s.value for s in TERMINAL)
+CANCELLABLE_STATES = frozenset(s.value for s in CANCELLABLE)
+
+
+def keeps_refreshing(run: Mapping[str, Any]) -> bool:
+    """Whether a live view of `run` should keep refreshing: unfinished, or failed with a retry
+    the dispatcher will queue."""
+    state = str(run.get("state"))
+    return state in ACTIVE_STATES or retry_pending(
+        state, int(run.get("attempt") or 1), int(run.get("max_attempts") or 1)
+    )
 _MISSING = "—"
 
 

@@ -198,7 +198,7 @@ class TrainerConfig(_Group):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Stored in a 64-bit column.")
 
     @model_validator(mode="after")
     def _batch_splits_across_controllers(self) -> TrainerConfig:

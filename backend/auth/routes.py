@@ -8,6 +8,7 @@ from backend.auth import service
 from backend.auth.models import Role
 from backend.auth.schemas import ProjectOut, TokenCreate, TokenCreated, TokenOut, WhoAmI
 from backend.deps import Admin, CurrentPrincipal, ReadSessionDep, SessionDep
+from backend.fields import TokenIdPath
 
 router = APIRouter(tags=["auth"])
 
@@ -52,7 +53,7 @@ def create_token(body: TokenCreate, principal: Admin, db_session: SessionDep) ->
 
 
 @router.delete("/tokens/{token_id}", response_model=TokenOut)
-def revoke_token(token_id: int, principal: Admin, db_session: SessionDep) -> TokenOut:
+def revoke_token(token_id: TokenIdPath, principal: Admin, db_session: SessionDep) -> TokenOut:
     """Revoke a token: it stops working at once."""
     tok = service.revoke_token(db_session=db_session, project_id=principal.project_id, token_id=token_id)
     if tok is None:

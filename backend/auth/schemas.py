@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from backend.fields import MAX_DURATION_S, StorableStr
+
 
 class ProjectOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
@@ -23,9 +25,12 @@ class TokenCreate(BaseModel):
         json_schema_extra={"examples": [{"name": "gitlab-ci", "role": "write", "expires_in_s": 7776000}]},
     )
 
-    name: str = Field(..., min_length=1, max_length=200)
+    name: StorableStr = Field(..., min_length=1, max_length=200)
     role: Literal["read", "write", "admin"]
-    expires_in_s: float | None = Field(None, gt=0, description="Default: never expires.")
+    expires_in_s: float | None = Field(
+        None, gt=0, le=MAX_DURATION_S, allow_inf_nan=False,
+        description="Default: never expires; at most ten years.",
+    )
 
 
 class TokenOut(BaseModel):

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from backend.db import Database
-from backend.deps import DatabaseDep, ReadableRun, Reader, ReadSessionDep, SettingsDep
+from backend.deps import DatabaseDep, DetachedReadableRun, Reader, ReadSessionDep, SettingsDep
 from backend.dispatch import service
+from backend.dispatch.models import RunLog
 from backend.dispatch.ray_cluster import RayCluster, RayUnavailable
-from backend.runs.models import Run
+from backend.runs import service as run_service
+from backend.runs.models import Run, RunAttempt
 from backend.runs.state import TERMINAL, RunState
 from backend.settings import Settings
 
@@ -28,32 +32,92 @@ def _cluster_or_none(settings: Settings) -> RayCluster | None:
         return None
 
 
-def _read_log(db: Database, settings: Settings, run_id: int, attempt: int) -> tuple[str, bool, str]:
-    cluster = _cluster_or_none(settings)
-    try:
-        with db.read_session() as s:
-            run = s.get(Run, run_id)
-            assert run is not None
-            text, live = service.attempt_log(s=s, cluster=cluster, run=run, attempt=attempt)
-            return text, live, run.state
-    finally:
+@dataclass
+class LogSnapshot:
+    """One read of an attempt's log: its text so far, whether Ray still runs it, the run's state."""
+
+    text: str
+    live: bool
+    state: str
+
+
+def read_log(db: Database, settings: Settings, run_id: int, attempt: int) -> LogSnapshot:
+    """Ray's live copy while the job exists, else the stored copy. The database is read in a
+    short session that is closed before Ray is asked (no session waits on the network)."""
+    with db.read_session() as s:
+        run = s.get(Run, run_id)
+        if run is None:
+            return LogSnapshot("", False, RunState.cancelled.value)
+        state = run.state
+        sid = s.scalar(
+            select(RunAttempt.submission_id).where(RunAttempt.run_id == run_id, RunAttempt.number == attempt)
+        )
+        stored = s.get(RunLog, (run_id, attempt))
+        stored_text = stored.text if stored else ""
+    if sid:
+        cluster = _cluster_or_none(settings)
         if cluster is not None:
-            cluster.close()
+            try:
+                job = cluster.job(sid)
+                if job is not None:
+                    return LogSnapshot(cluster.logs(sid), not job.terminal, state)
+            except (LookupError, RayUnavailable):
+                pass
+            finally:
+                cluster.close()
+    return LogSnapshot(stored_text, False, state)
+
+
+def tail_lines(text: str, n: int | None) -> str:
+    """The last `n` lines of `text` (all of it for None)."""
+    if not n:
+        return text
+    return "".join(text.splitlines(keepends=True)[-n:])
+
+
+async def follow_log(
+    read: Callable[[], Awaitable[LogSnapshot]], *, first: LogSnapshot, tail: int | None,
+    poll_s: float = 1.0, max_poll_s: float = 5.0,
+) -> AsyncIterator[str]:
+    """The log (its last `tail` lines first, when given), then only what is appended, until
+    the attempt has ended; polls back off to `max_poll_s` while nothing new comes."""
+    yield tail_lines(first.text, tail)
+    sent = len(first.text)
+    snap, wait = first, poll_s
+    while snap.live or RunState(snap.state) not in TERMINAL:
+        await asyncio.sleep(wait)
+        snap = await read()
+        if len(snap.text) > sent:
+            yield snap.text[sent:]
+            sent, wait = len(snap.text), poll_s
+        else:
+            sent = min(sent, len(snap.text))  # a shorter copy: Ray's is gone, the stored one is read
+            wait = min(max_poll_s, wait * 1.5)
 
 
 @router.get(
     "/runs/{run_id}/logs",
     response_class=PlainTextResponse,
     summary="The trainer's log of one attempt",
-    responses={200: {"content": {"text/plain": {"example": "step 1 reward=0.41 …\n"}}}},
+    responses={200: {
+        "content": {"text/plain": {"example": "step 1 reward=0.41 …\n"}},
+        "headers": {"Log-Length": {"description": "Characters in this copy of the log: pass it as "
+                                   "`offset` next time to get only what follows.",
+                                   "schema": {"type": "integer"}}},
+    }},
 )
 async def run_logs(
-    run: ReadableRun,
+    run: DetachedReadableRun,
     db: DatabaseDep,
     settings: SettingsDep,
     attempt: Annotated[int | None, Query(ge=1, description="Default: the current attempt.")] = None,
     follow: Annotated[bool, Query(description="Stream new lines until the attempt ends.")] = False,
     tail: Annotated[int | None, Query(ge=1, le=100_000, description="Only the last N lines.")] = None,
+    offset: Annotated[
+        int | None,
+        Query(ge=0, le=2**62, description="Only the text after this many characters (a live view's "
+              "`Log-Length` from its last read); `tail` then applies to that part."),
+    ] = None,
 ) -> Any:
     """Ray's live copy while the job exists, the stored copy after it ends (Ray forgets logs)."""
     number = attempt or run.attempt
@@ -62,39 +126,38 @@ async def run_logs(
             status.HTTP_404_NOT_FOUND, f"run {run.id} has {run.attempt} attempt(s), not {number}"
         )
     run_id = run.id
-    text, live, state = await run_in_threadpool(_read_log, db, settings, run_id, number)
-    if tail:
-        text = "\n".join(text.splitlines()[-tail:]) + ("\n" if text else "")
+
+    async def read() -> LogSnapshot:
+        return await run_in_threadpool(read_log, db, settings, run_id, number)
+
+    first = await read()
     if not follow:
-        return PlainTextResponse(text)
-
-    async def stream() -> AsyncIterator[str]:
-        sent = text
-        yield sent
-        current_state, current_live = state, live
-        while current_live or RunState(current_state) not in TERMINAL:
-            await asyncio.sleep(1.0)
-            full, current_live, current_state = await run_in_threadpool(
-                _read_log, db, settings, run_id, number
-            )
-            if len(full) > len(sent) and full.startswith(sent[: max(0, len(sent) - 1)]):
-                yield full[len(sent):]
-                sent = full
-            elif not current_live and RunState(current_state) in TERMINAL:
-                break
-
-    return StreamingResponse(stream(), media_type="text/plain")
+        text = first.text[offset:] if offset is not None and offset <= len(first.text) else first.text
+        return PlainTextResponse(tail_lines(text, tail), headers={"Log-Length": str(len(first.text))})
+    return StreamingResponse(follow_log(read, first=first, tail=tail), media_type="text/plain")
 
 
 @router.get("/cluster", summary="Nodes, devices and the runs on them")
-def cluster(_: Reader, db_session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
-    """Devices are GPUs, or slices of cores (`yatt_device`) on a CPU-only cluster."""
+def cluster(principal: Reader, db_session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
+    """Devices are GPUs, or slices of cores (`yatt_device`) on a CPU-only cluster. The caller's
+    project's active runs are listed; other projects' appear only as `other_projects.devices`,
+    the devices they hold, with no ids, names or counts of runs."""
     ray = _cluster_or_none(settings)
     try:
-        return service.cluster_view(s=db_session, cluster=ray)
+        view = service.cluster_view(s=db_session, cluster=ray)
     finally:
         if ray is not None:
             ray.close()
+    queued = run_service.queued_runs(db_session=db_session, limit=10_000)
+    view["queued"] = sum(1 for r in queued if r.project_id == principal.project_id)
+    return project_view(view, project_id=principal.project_id)
+
+
+def project_view(view: dict[str, Any], *, project_id: int) -> dict[str, Any]:
+    """The cluster view as one project may see it: its runs in full, the others' as a device count."""
+    own = [r for r in view.get("runs", []) if r.get("project_id") == project_id]
+    others = sum(int(r.get("devices") or 0) for r in view.get("runs", []) if r.get("project_id") != project_id)
+    return {**view, "runs": own, "other_projects": {"devices": others}}
 
 
 def install(app: Any) -> None:

@@ -12,7 +12,10 @@ class MetricPoint(Base):
     """One reported value. A non-finite value (NaN, ±inf) is stored as NULL."""
 
     __tablename__ = "metric_points"
-    __table_args__ = (Index("ix_metric_points_run_id_key_step", "run_id", "key", "step"),)
+    __table_args__ = (
+        Index("ix_metric_points_run_id_key_step", "run_id", "key", "step"),
+        Index("ix_metric_points_run_id_id", "run_id", "id"),  # the live stream: a run's points after an id
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))

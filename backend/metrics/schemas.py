@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from backend.fields import Step, StorableStr
+
 
 class MetricPointIn(BaseModel):
-    key: str = Field(..., min_length=1, max_length=200)
-    step: int = Field(..., ge=0)
+    key: StorableStr = Field(..., min_length=1, max_length=200)
+    step: Step
     value: float | None
-    time: float | None = Field(None, description="Unix seconds; default: when received.")
+    time: float | None = Field(
+        None, ge=0, le=1e11, allow_inf_nan=False, description="Unix seconds; default: when received."
+    )
 
 
 class MetricBatch(BaseModel):

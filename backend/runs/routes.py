@@ -3,20 +3,16 @@ each route checks who may call it and hands over to `backend.runs.service`."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from sqlalchemy.exc import IntegrityError
+from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from backend.auth.models import Role
-from backend.db import Database
 from backend.deps import (
     CurrentPrincipal,
     DatabaseDep,
@@ -29,8 +25,8 @@ from backend.deps import (
     Writer,
     not_found,
 )
-from backend.metrics import service as metric_service
-from backend.runs import service
+from backend.fields import INT64_MAX, ExperimentIdPath, RunIdPath, StorableStr
+from backend.runs import service, stream
 from backend.runs.schemas import (
     Accepted,
     AttemptOut,
@@ -49,8 +45,9 @@ from backend.runs.schemas import (
     RunOut,
     RunPage,
     StateUpdate,
+    Tag,
 )
-from backend.runs.state import TERMINAL, RunState
+from backend.runs.state import RunState
 from trainer.config import parse_config
 
 router = APIRouter()
@@ -114,7 +111,7 @@ def create_experiment(body: ExperimentCreate, principal: Writer, db_session: Ses
 
 
 @router.get("/experiments/{experiment_id}", response_model=ExperimentOut, tags=["experiments"])
-def get_experiment(experiment_id: int, principal: Reader, db_session: ReadSessionDep) -> ExperimentOut:
+def get_experiment(experiment_id: ExperimentIdPath, principal: Reader, db_session: ReadSessionDep) -> ExperimentOut:
     exp = service.get_experiment(
         db_session=db_session, project_id=principal.project_id, experiment_id=experiment_id
     )
@@ -140,7 +137,7 @@ def create_run(
     db_session: SessionDep,
     response: Response,
     idempotency_key: Annotated[
-        str | None,
+        StorableStr | None,
         Header(max_length=200, description="Retrying with the same key returns the same run."),
     ] = None,
 ) -> RunOut:
@@ -165,12 +162,12 @@ def validate_config(body: ConfigValidate, principal: Reader) -> ConfigValid:
 def list_runs(
     principal: Reader,
     db_session: ReadSessionDep,
-    state: Annotated[str | None, Query(description="Comma-separated states.", examples=["running,queued"])] = None,
-    experiment: Annotated[str | None, Query(description="Experiment name.")] = None,
-    tag: Annotated[list[str] | None, Query(description="Runs carrying every given tag.")] = None,
+    state: Annotated[StorableStr | None, Query(description="Comma-separated states.", examples=["running,queued"])] = None,
+    experiment: Annotated[StorableStr | None, Query(max_length=200, description="Experiment name.")] = None,
+    tag: Annotated[list[Tag] | None, Query(max_length=50, description="Runs carrying every given tag.")] = None,
     launched_by: Annotated[str | None, Query(pattern="^(user|ci)$")] = None,
     q: Annotated[
-        str | None,
+        StorableStr | None,
         Query(
             max_length=200,
             description="Words to find in name, experiment, tags or description (all "
@@ -180,7 +177,7 @@ def list_runs(
     created_since: datetime | None = None,
     created_until: datetime | None = None,
     sort: Annotated[
-        str | None,
+        StorableStr | None,
         Query(
             max_length=201,
             description="`created_at`, `priority`, `relevance` (with `q`) or a metric key (by "
@@ -190,7 +187,7 @@ def list_runs(
         ),
     ] = None,
     where: Annotated[
-        list[str] | None,
+        list[StorableStr] | None,
         Query(
             max_length=250,
             description="Metric filters `KEY OP NUMBER` (OP: > >= < <= =) on the latest value; "
@@ -198,8 +195,10 @@ def list_runs(
             examples=["reward/mean>=0.5"],
         ),
     ] = None,
-    metrics: Annotated[str | None, Query(description="Comma-separated metric keys to include.")] = None,
-    cursor: str | None = None,
+    metrics: Annotated[
+        StorableStr | None, Query(max_length=10_000, description="Comma-separated metric keys to include.")
+    ] = None,
+    cursor: Annotated[StorableStr | None, Query(max_length=2000)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> RunPage:
     """A page of the project's runs as the History table shows them (no config: see
@@ -276,7 +275,7 @@ def list_attempts(run: ReadableRun, db_session: ReadSessionDep) -> list[AttemptO
 
 @router.post("/runs/{run_id}/cancel", response_model=RunOut, tags=["runs"], responses=_409)
 def cancel_run(
-    run_id: int, principal: Writer, db_session: SessionDep, body: RunAction | None = None
+    run_id: RunIdPath, principal: Writer, db_session: SessionDep, body: RunAction | None = None
 ) -> RunOut:
     """Cancel: a queued run is cancelled at once, a started one moves to `cancelling` until
     the dispatcher has stopped it. Cancelling a cancelled run changes nothing."""
@@ -292,7 +291,7 @@ def cancel_run(
 
 @router.post("/runs/{run_id}/retry", response_model=RunOut, tags=["runs"], responses=_409)
 def retry_run(
-    run_id: int, principal: Writer, db_session: SessionDep, body: RunAction | None = None
+    run_id: RunIdPath, principal: Writer, db_session: SessionDep, body: RunAction | None = None
 ) -> RunOut:
     """Queue a failed run again: attempt += 1, resuming from its newest checkpoint."""
     run = service.retry(
@@ -354,8 +353,8 @@ def post_events(run: WritableRun, body: EventBatch, db_session: SessionDep) -> A
 def list_events(
     run: ReadableRun,
     db_session: ReadSessionDep,
-    kind: Annotated[str | None, Query(description="Comma-separated kinds.")] = None,
-    after_id: Annotated[int, Query(ge=0, description="Only events with a larger id.")] = 0,
+    kind: Annotated[StorableStr | None, Query(max_length=2000, description="Comma-separated kinds.")] = None,
+    after_id: Annotated[int, Query(ge=0, le=INT64_MAX, description="Only events with a larger id.")] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> list[EventOut]:
     """The run's timeline in order."""
@@ -382,90 +381,40 @@ def list_checkpoints(run: ReadableRun, db_session: ReadSessionDep) -> list[Check
 # --- live stream ----------------------------------------------------------------------------------
 
 
-def _sse(event: str, data: Any) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), default=str)}\n\n"
-
-
-class _StreamCursor:
-    """Where a stream is: the last metric point and event it sent, the last state."""
-
-    def __init__(self, db: Database, run_id: int):
-        self.db, self.run_id = db, run_id
-        self.point_id = 0
-        self.event_id = 0
-        self.state: str | None = None
-
-    def start(self) -> list[str]:
-        with self.db.read_session() as s:
-            self.point_id = metric_service.max_point_id(db_session=s)
-            self.event_id = service.last_event_id(db_session=s, run_id=self.run_id)
-        return self.poll()
-
-    def poll(self) -> list[str]:
-        out: list[str] = []
-        with self.db.read_session() as s:
-            run = service.get_any(db_session=s, run_id=self.run_id)
-            if run is None:
-                return [_sse("state", {"run_id": self.run_id, "state": None, "deleted": True})]
-            points = metric_service.points_after(db_session=s, run_id=self.run_id, after_id=self.point_id)
-            if points:
-                self.point_id = points[-1].id
-                out.append(
-                    _sse(
-                        "metric",
-                        {"points": [{"key": p.key, "step": p.step, "value": p.value, "time": p.time} for p in points]},
-                    )
-                )
-            for e in service.list_events(db_session=s, run_id=self.run_id, after_id=self.event_id):
-                self.event_id = e.id
-                out.append(_sse("event", EventOut.model_validate(e).model_dump(mode="json")))
-            if run.state != self.state:
-                self.state = run.state
-                out.append(
-                    _sse("state", {"run_id": run.id, "state": run.state, "attempt": run.attempt, "error": run.error})
-                )
-        return out
-
-
 @router.get(
-    "/runs/{run_id}/stream", tags=["runs"],
-    responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events."}},
+    "/runs/{run_id}/stream", tags=["runs"], response_class=EventSourceResponse,
+    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                     "description": "Server-Sent Events."}},
 )
-async def stream_run(run_id: int, request: Request, principal: Reader, db: DatabaseDep, settings: SettingsDep) -> StreamingResponse:
-    """Server-Sent Events for live views: `state` (first the current one, then each change),
-    `metric` (`{"points": [...]}`, new points only) and `event` (new timeline entries).
-    The stream ends once the run is in a final state and everything has been sent."""
+async def stream_run(
+    run_id: RunIdPath,
+    request: Request,
+    principal: Reader,
+    db: DatabaseDep,
+    settings: SettingsDep,
+    last_event_id: Annotated[
+        str | None,
+        Header(alias="Last-Event-ID", max_length=60, description="Resume after this event (sent by "
+               "EventSource on reconnect); without it the stream starts with the run's history."),
+    ] = None,
+) -> EventSourceResponse:
+    """Server-Sent Events for live views, each with an `id:`: `state` (first the current one,
+    then each change, a retry's new attempt included), `metric` (`{"points": [...]}`) and `event`
+    (timeline entries). Starts with the run's history unless `Last-Event-ID` says where to
+    resume; follows the run across retries and ends once it is final with no retry to come."""
 
     def check() -> bool:
         with db.read_session() as s:
             return service.get(db_session=s, project_id=principal.project_id, run_id=run_id) is not None
 
+    try:
+        stream.parse_event_id(last_event_id)
+    except stream.BadLastEventId as exc:
+        raise HTTPException(422, str(exc)) from None
     if not await run_in_threadpool(check):
         raise not_found(run_id)
-    cursor = _StreamCursor(db, run_id)
-    poll_s = settings.stream_poll_s
-
-    async def messages() -> AsyncIterator[str]:
-        batch = await run_in_threadpool(cursor.start)
-        last_sent = time.monotonic()
-        while True:
-            for message in batch:
-                yield message
-            if batch:
-                last_sent = time.monotonic()
-            if cursor.state in TERMINAL:
-                return
-            if await request.is_disconnected():
-                return
-            await asyncio.sleep(poll_s)
-            if time.monotonic() - last_sent > 15:
-                yield ": keep-alive\n\n"
-                last_sent = time.monotonic()
-            batch = await run_in_threadpool(cursor.poll)
-
-    return StreamingResponse(
-        messages(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    lag_s = 0.0 if db.engine.dialect.name == "sqlite" else stream.LAG_S  # SQLite commits in id order
+    return stream.response(
+        db=db, run_id=run_id, request=request, last_event_id=last_event_id,
+        poll_s=settings.stream_poll_s, lag_s=lag_s,
     )
-

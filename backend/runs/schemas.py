@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from backend.fields import MAX_DURATION_S, Size, Step, StorableDict, StorableStr, storable_json
 from backend.runs.state import RunState
+
+Tag = Annotated[StorableStr, Field(min_length=1, max_length=100)]
 
 EXAMPLE_CONFIG: dict[str, Any] = {"algorithm": {"name": "grpo"}, "train": {"max_steps": 40}, "seed": 1}
 
@@ -29,11 +32,16 @@ class CIInfo(BaseModel):
         },
     )
 
-    provider: str | None = Field(None, max_length=50)
-    commit: str | None = Field(None, max_length=100)
-    branch: str | None = Field(None, max_length=200)
-    pipeline_url: str | None = Field(None, max_length=1000)
-    job: str | None = Field(None, max_length=200)
+    provider: StorableStr | None = Field(None, max_length=50)
+    commit: StorableStr | None = Field(None, max_length=100)
+    branch: StorableStr | None = Field(None, max_length=200)
+    pipeline_url: StorableStr | None = Field(None, max_length=1000)
+    job: StorableStr | None = Field(None, max_length=200)
+
+    @model_validator(mode="after")
+    def _extras_storable(self) -> CIInfo:
+        storable_json(self.model_extra or {})
+        return self
 
 
 class RunCreate(BaseModel):
@@ -52,21 +60,23 @@ class RunCreate(BaseModel):
         },
     )
 
-    experiment: str = Field(..., min_length=1, max_length=200, description="Created if needed.")
-    name: str | None = Field(None, max_length=200, description="Default: `<experiment>-<id>`.")
-    description: str = Field("", max_length=10_000)
-    config: dict[str, Any] = Field(default_factory=dict, description="A TrainerConfig.")
-    tags: list[str] = Field(default_factory=list, max_length=50)
+    experiment: StorableStr = Field(..., min_length=1, max_length=200, description="Created if needed.")
+    name: StorableStr | None = Field(None, max_length=200, description="Default: `<experiment>-<id>`.")
+    description: StorableStr = Field("", max_length=10_000)
+    config: StorableDict = Field(default_factory=dict, description="A TrainerConfig.")
+    tags: list[Tag] = Field(default_factory=list, max_length=50)
     ci: CIInfo | None = Field(None, description="Set by CI jobs: marks the run as launched by CI.")
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first.")
     max_attempts: int = Field(1, ge=1, le=20, description="Attempts the dispatcher may make.")
-    max_duration_s: float | None = Field(None, gt=0, description="Wall-clock limit per attempt.")
+    max_duration_s: float | None = Field(
+        None, gt=0, le=MAX_DURATION_S, allow_inf_nan=False, description="Wall-clock limit per attempt."
+    )
 
 
 class ConfigValidate(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{"config": EXAMPLE_CONFIG}]})
 
-    config: dict[str, Any] = Field(default_factory=dict)
+    config: StorableDict = Field(default_factory=dict)
 
 
 class ConfigValid(BaseModel):
@@ -175,15 +185,19 @@ class StateUpdate(BaseModel):
     )
 
     state: RunState
-    reason: str | None = Field(None, max_length=20_000)
-    summary: dict[str, Any] | None = None
-    code_version: str | None = Field(None, max_length=200)
-    package_versions: dict[str, Any] | None = None
-    run_dir: str | None = Field(None, max_length=1000)
+    reason: StorableStr | None = Field(None, max_length=20_000)
+    summary: StorableDict | None = None
+    code_version: StorableStr | None = Field(None, max_length=200)
+    package_versions: StorableDict | None = None
+    run_dir: StorableStr | None = Field(None, max_length=1000)
 
 
 class RunAction(BaseModel):
-    reason: str | None = Field(None, max_length=2000)
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"reason": "superseded by run 12"}]}
+    )
+
+    reason: StorableStr | None = Field(None, max_length=2000)
 
 
 class AttemptOut(BaseModel):
@@ -199,11 +213,16 @@ class AttemptOut(BaseModel):
 
 
 class ExperimentCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"name": "grpo-arith", "description": "Does GRPO learn 2-digit sums?", "tags": ["arith"]}]
+        },
+    )
 
-    name: str = Field(..., min_length=1, max_length=200)
-    description: str = Field("", max_length=10_000)
-    tags: list[str] = Field(default_factory=list, max_length=50)
+    name: StorableStr = Field(..., min_length=1, max_length=200)
+    description: StorableStr = Field("", max_length=10_000)
+    tags: list[Tag] = Field(default_factory=list, max_length=50)
 
 
 class ExperimentOut(BaseModel):
@@ -220,9 +239,9 @@ class ExperimentOut(BaseModel):
 class EventIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: str = Field(..., min_length=1, max_length=50, examples=["placement", "phase_spans"])
-    message: str = Field("", max_length=20_000)
-    data: dict[str, Any] | None = None
+    kind: StorableStr = Field(..., min_length=1, max_length=50, examples=["placement", "phase_spans"])
+    message: StorableStr = Field("", max_length=20_000)
+    data: StorableDict | None = None
     time: datetime | None = Field(None, description="Unix seconds or ISO-8601; default: now.")
 
 
@@ -264,10 +283,10 @@ class CheckpointIn(BaseModel):
         },
     )
 
-    step: int = Field(..., ge=0)
-    path: str = Field(..., min_length=1, max_length=1000)
-    size_bytes: int | None = Field(None, ge=0)
-    metrics: dict[str, Any] | None = None
+    step: Step
+    path: StorableStr = Field(..., min_length=1, max_length=1000)
+    size_bytes: Size | None = None
+    metrics: StorableDict | None = None
 
 
 class CheckpointOut(BaseModel):

@@ -505,6 +505,15 @@ def _decode_cursor(cursor: str, sort: str) -> tuple[int, Any, int]:
         raise InvalidQuery("cursor is not one this API returned") from exc
     if cur_sort != sort:
         raise InvalidQuery(f"cursor was made for sort={cur_sort!r}, not sort={sort!r}")
+    # a tampered cursor must not reach the SQL: every part has the type and range we wrote
+    number = (int, float)
+    if (
+        is_null not in (0, 1) or isinstance(is_null, bool)
+        or not isinstance(run_id, int) or isinstance(run_id, bool) or not 0 <= run_id < 2**31
+        or not (value is None or (isinstance(value, number) and not isinstance(value, bool)
+                                  and math.isfinite(value) and abs(value) < 2**63))
+    ):
+        raise InvalidQuery("cursor is not one this API returned")
     return int(is_null), value, int(run_id)
 
 

@@ -28,8 +28,22 @@ TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     S.cancelled: frozenset(),
 }
 
+# The one definition of these groups: the backend, the client (`backend.client`) and the
+# dashboard (`dashboard.tables`) all read them from here. This module imports nothing else.
 TERMINAL: frozenset[RunState] = frozenset({S.succeeded, S.failed, S.cancelled})
-ACTIVE: frozenset[RunState] = frozenset({S.starting, S.running, S.cancelling})
+ACTIVE: frozenset[RunState] = frozenset({S.starting, S.running, S.cancelling})  # holds devices
+UNFINISHED: frozenset[RunState] = frozenset(RunState) - TERMINAL  # queued or active
+CANCELLABLE: frozenset[RunState] = frozenset(s for s, moves in TRANSITIONS.items() if S.cancelling in moves)
+
+
+def retry_pending(state: RunState | str, attempt: int, max_attempts: int) -> bool:
+    """A failed attempt with attempts left: the dispatcher will queue the run again."""
+    return RunState(state) is S.failed and attempt < max_attempts
+
+
+def is_over(state: RunState | str, attempt: int, max_attempts: int) -> bool:
+    """Final, with no retry to come: live views stop here."""
+    return RunState(state) in TERMINAL and not retry_pending(state, attempt, max_attempts)
 
 
 class IllegalTransition(Exception):

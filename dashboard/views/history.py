@@ -8,11 +8,12 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from backend.runs.state import RunState
 from dashboard import api, session
 from dashboard.tables import run_rows
 
 PAGE_SIZE = 25
-STATES = ["queued", "starting", "running", "cancelling", "succeeded", "failed", "cancelled"]
+STATES = [s.value for s in RunState]
 SORTS = {"newest first": "-created_at", "oldest first": "created_at", "best match": "-relevance"}
 
 c = session.client()

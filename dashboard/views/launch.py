@@ -4,6 +4,7 @@ against the API (errors beside their fields), then submit and land on the run's 
 from __future__ import annotations
 
 import os
+import uuid
 import zlib
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from dashboard.launch_form import (
     field_value,
     merge_form,
     parse_yaml,
+    submission_key,
 )
 
 CONFIGS_DIR = Path(os.environ.get("YATT_CONFIGS_DIR") or Path(__file__).parents[2] / "configs")
@@ -131,6 +133,9 @@ def _check(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 
 if not (validate or submit):
+    # a plain view of the form starts a new visit: submissions until the next one share its
+    # Idempotency-Key base, so a double click on Launch makes one run
+    st.session_state["l_visit"] = uuid.uuid4().hex
     _show_errors(st.session_state.get("l_errors", []))
 else:
     normalized = _check(config)
@@ -144,10 +149,11 @@ else:
             st.error("Name the new experiment, or choose an existing one.")
             st.stop()
         tags = [t.strip() for t in tags_text.split(",") if t.strip()]
+        request = {"experiment": experiment, "config": config, "tags": tags,
+                   "name": name.strip() or None, "description": description.strip() or None}
+        visit = st.session_state.setdefault("l_visit", uuid.uuid4().hex)
         try:
-            run = api.create_run(c, experiment=experiment, config=config, tags=tags,
-                                 name=name.strip() or None,
-                                 description=description.strip() or None)
+            run = api.create_run(c, **request, idempotency_key=submission_key(visit, request))
         except api.ApiError as exc:
             if exc.status == 422 and exc.errors:
                 _show_errors(exc.errors)

@@ -14,14 +14,14 @@ import yaml
 
 from dashboard import api, session
 from dashboard.charts import gantt_figure, line_figure, metric_panels, phase_share, phase_spans
+from dashboard.live import FetchedWhenChanged, LiveLog, LiveSeries
 from dashboard.tables import (
-    ACTIVE_STATES,
-    TERMINAL_STATES,
+    CANCELLABLE_STATES,
     RunEvents,
     event_rows,
     format_duration,
+    keeps_refreshing,
     launched_by,
-    metrics_csv,
     parse_time,
 )
 
@@ -90,7 +90,7 @@ def _buttons(run: dict[str, Any]) -> str:
     """Cancel / retry, the CSV download and the x-axis choice, in one row; returns the x axis."""
     state = run["state"]
     row = st.container(horizontal=True, vertical_alignment="center")
-    if state in {"queued", "starting", "running"} and row.button(
+    if state in CANCELLABLE_STATES and row.button(
         "Cancel run", icon=":material/cancel:", key="cancel"
     ):
         try:
@@ -108,7 +108,7 @@ def _buttons(run: dict[str, Any]) -> str:
             session.show_api_error(exc, "retry the run")
     row.download_button(
         "Metrics as CSV",
-        data=lambda: metrics_csv(api.all_metrics(c, run["id"])),
+        data=lambda: api.metrics_csv(c, run["id"]),
         file_name=f"run-{run['id']}-metrics.csv",
         mime="text/csv",
         icon=":material/download:",
@@ -138,14 +138,24 @@ def _summary_row(keys: list[dict[str, Any]]) -> None:
         col.metric(label, f"{latest[key]:,}" if key == "step" else f"{latest[key]:.4g}")
 
 
-def _charts(run_id: int, x: str) -> None:
+def _kept(name: str, run_id: int, make: Any) -> Any:
+    """Per browser session and run: what the page keeps between refreshes."""
+    cache: dict[int, Any] = st.session_state.setdefault(f"run_{name}", {})
+    return cache.setdefault(run_id, make())
+
+
+def _charts(run: dict[str, Any], x: str) -> None:
+    run_id = run["id"]
     keys = api.metric_keys(c, run_id)
     if not keys:
         st.info("No metrics yet: charts appear with the trainer's first report.")
         return
     _summary_row(keys)
     panels = metric_panels(k["key"] for k in keys)
-    series = api.metrics(c, run_id, [k for p in panels for k in p.keys], max_points=MAX_POINTS)
+    live_series: LiveSeries = _kept("series", run_id, lambda: LiveSeries(max_points=MAX_POINTS))
+    # only the steps after the ones already drawn are fetched (all again on a new attempt)
+    series = live_series.refresh(c, run_id, [k for p in panels for k in p.keys],
+                                 {k["key"]: k for k in keys}, attempt=int(run.get("attempt") or 1))
     main = [p for p in panels if p.primary]
     cols = st.columns(2)
     for i, panel in enumerate(main):
@@ -208,15 +218,17 @@ def _activity(run: dict[str, Any], log: RunEvents) -> None:
         else:
             st.caption("No events yet.")
     with tab_logs:
-        try:
-            text = api.logs(c, run_id)
+        live_log: LiveLog = _kept("log", run_id, LiveLog)
+        try:  # only the text appended since the last refresh is fetched
+            text = live_log.refresh(c, run_id, attempt=int(run.get("attempt") or 1))
         except api.ApiError as exc:
             text = ""
             st.caption(f"No logs to show ({exc.status}: {exc.message}).")
-        lines = text.splitlines()[-200:]
-        st.code("\n".join(lines) or "(no log output yet)", language=None)
+        st.code(text.rstrip("\n") or "(no log output yet)", language=None)
     with tab_ckpt:
-        ckpts = api.checkpoints(c, run_id)
+        saved = sum(1 for e in log.text if e.get("kind") == "checkpoint")
+        ckpts = _kept("checkpoints", run_id, FetchedWhenChanged).get(
+            saved, lambda: api.checkpoints(c, run_id))  # again only after a checkpoint event
         if ckpts:
             df = pd.DataFrame(ckpts)
             st.dataframe(df[[col for col in ("step", "attempt", "path", "size_bytes", "metrics",
@@ -225,7 +237,8 @@ def _activity(run: dict[str, Any], log: RunEvents) -> None:
         else:
             st.caption("No checkpoints yet.")
     with tab_attempts:
-        attempts = api.attempts(c, run_id)
+        attempts = _kept("attempts", run_id, FetchedWhenChanged).get(
+            (run.get("attempt"), run["state"]), lambda: api.attempts(c, run_id))
         st.caption(f"Attempt {run.get('attempt', 1)} of at most {run.get('max_attempts', 1)}.")
         if attempts:
             st.dataframe(pd.DataFrame(attempts), hide_index=True, width="stretch")
@@ -248,7 +261,7 @@ except api.ApiError as exc:
     session.show_api_error(exc, f"load run #{run_id}")
     st.stop()
 
-active = first["state"] in ACTIVE_STATES
+active = keeps_refreshing(first)  # unfinished, or failed with a retry to come
 
 
 @st.fragment(run_every=REFRESH_S if active else None)
@@ -258,12 +271,12 @@ def live() -> None:
     except api.ApiError as exc:
         session.show_api_error(exc, f"refresh run #{run_id}")
         return
-    if active and run["state"] in TERMINAL_STATES:
-        st.rerun(scope="app")  # the run ended: redraw once, without the timer
+    if active and not keeps_refreshing(run):
+        st.rerun(scope="app")  # the run ended, no retry to come: redraw once, without the timer
     _header(run)
     x = _buttons(run)
     try:
-        _charts(run_id, x)
+        _charts(run, x)
         st.subheader("Phase timeline")
         log = _run_events(run_id)
         _timeline(log)
@@ -271,7 +284,8 @@ def live() -> None:
     except api.ApiError as exc:
         session.show_api_error(exc, "load the run's data")
     if active:
-        st.caption(f"Live: refreshing every {REFRESH_S:g} s while the run is {run['state']}.")
+        waiting = " (a retry is pending)" if run["state"] == "failed" else ""
+        st.caption(f"Live: refreshing every {REFRESH_S:g} s while the run is {run['state']}{waiting}.")
 
 
 live()

@@ -104,7 +104,7 @@ def test_submit_list_show_metrics_cancel(live_api: LiveAPI, config_file: Path) -
 
     code, out, _ = yatt(live_api, "runs", "list")
     assert code == 0 and "from-cli" in out and "queued" in out
-    code, out, _ = yatt(live_api, "runs", "show", str(run_id))
+    code, out, _ = yatt(live_api, "runs", "show", str(run_id), "--json")
     assert code == 0 and json.loads(out)["id"] == run_id
 
     live_api.client.post_metrics(run_id, [{"key": "reward/mean", "step": s, "value": s / 4} for s in range(4)])
@@ -114,6 +114,12 @@ def test_submit_list_show_metrics_cancel(live_api: LiveAPI, config_file: Path) -
     assert [p["step"] for p in json.loads(out)["reward/mean"]] == [0, 1, 2, 3]
     code, out, _ = yatt(live_api, "runs", "list", "--sort", "-reward/mean")
     assert code == 0 and "0.75" in out
+    code, out, _ = yatt(live_api, "runs", "show", str(run_id))
+    assert code == 0, out
+    assert f"run {run_id}  from-cli  (cli-exp)" in out
+    assert "state      queued, attempt 1 of 1" in out
+    assert "reward/mean" in out and "0.75 (3)" in out  # latest at step 3
+    assert f"/api/v1/runs/{run_id}" in out
 
     code, out, _ = yatt(live_api, "runs", "cancel", str(run_id))
     assert code == 0 and "cancelled" in out

@@ -196,12 +196,13 @@ def test_big_run_page_asks_for_downsampled_series(as_admin: SeededApi) -> None:
 
 def test_metrics_csv_download_holds_every_point(as_admin: SeededApi, client: YattClient) -> None:
     from dashboard import api
-    from dashboard.tables import metrics_csv
 
-    text = metrics_csv(api.all_metrics(client, as_admin.runs["big"]))
+    text = api.metrics_csv(client, as_admin.runs["big"]).decode()
     lines = text.splitlines()
     assert lines[0] == "key,step,value,time"
-    assert len(lines) == 1 + 200_000
+    assert len(lines) == 1 + 200_000  # every point, over several pages of the streamed export
+    steps = [int(line.split(",")[1]) for line in lines[1:] if line.startswith(lines[1].split(",")[0] + ",")]
+    assert steps == sorted(steps)
 
 
 def test_failed_run_shows_its_error_and_retries(as_admin: SeededApi, client: YattClient) -> None:
@@ -281,6 +282,24 @@ def test_launch_shows_field_errors_then_submits_and_lands_on_the_run(
     assert run["tags"] == ["smoke", "ui"]
     assert run["config"]["train"]["max_steps"] == 5
     assert run["state"] == "queued"
+
+
+def test_launch_clicked_twice_in_one_visit_makes_one_run(as_admin: SeededApi, client: YattClient) -> None:
+    def launch(visit: str) -> int:
+        at = _open("views/launch.py")
+        at.session_state["l_visit"] = visit  # the visit the page's plain render started
+        at.selectbox(key="l_exp").set_value("+ new experiment")
+        at.text_input(key="l_new_exp").set_value("dash-double-click")
+        at.text_input(key="l_name").set_value("clicked-twice")
+        next(b for b in at.button if b.label == "Launch").click().run()
+        _no_exception(at)
+        return int(at.query_params["run"])
+
+    first = launch("visit-a")
+    assert launch("visit-a") == first  # the second click of a double click: the same run
+    assert launch("visit-b") != first  # a new visit of the page is a new submission
+    runs = client.list_runs(experiment="dash-double-click", limit=10)["items"]
+    assert len(runs) == 2
 
 
 def test_launch_validates_a_ready_config(as_admin: SeededApi) -> None:

@@ -287,3 +287,27 @@ def test_run_events_fetch_incrementally_and_keep_recent_spans() -> None:
     assert log.last_id == 5
     assert [e["kind"] for e in log.text] == ["placement"]
     assert [s["step"] for s in phase_spans(log.span_events)] == [2, 3]
+
+
+def test_submission_key_is_stable_per_visit_and_request() -> None:
+    from dashboard.launch_form import submission_key
+
+    body = {"experiment": "e", "config": {"train": {"max_steps": 3}}, "tags": ["a"]}
+    same = {"tags": ["a"], "config": {"train": {"max_steps": 3}}, "experiment": "e"}
+    assert submission_key("v1", body) == submission_key("v1", same)
+    assert submission_key("v1", body) != submission_key("v2", body)
+    assert submission_key("v1", body) != submission_key("v1", {**body, "tags": ["b"]})
+    assert len(submission_key("v1", body)) <= 200  # the API's header limit
+
+
+def test_fetched_when_changed_calls_again_only_on_a_new_version() -> None:
+    from dashboard.live import FetchedWhenChanged
+
+    calls: list[int] = []
+    kept = FetchedWhenChanged()
+
+    def fetch() -> int:
+        calls.append(1)
+        return len(calls)
+
+    assert kept.get(0, fetch) == 1 and kept.get(0, fetch) == 1 and kept.get(1, fetch) == 2
