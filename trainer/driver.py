@@ -278,7 +278,8 @@ class Driver:
         metrics = combine_rank_metrics([r["metrics"] for r in per_rank.values()])
         if step > 0:
             metrics["driver/rss_mb"] = self._proc.memory_info().rss / 2**20
-            metrics["driver/rss_peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            metrics["driver/rss_peak_mb"] = max(metrics["driver/rss_mb"],  # the kernel's mark lags
+                                                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
             metrics["driver/bytes_in"] = float(self._bytes_in - self._bytes_mark[0])
             metrics["driver/bytes_out"] = float(self._bytes_out - self._bytes_mark[1])
             metrics["controller/restarts"] = float(self.restarts)
