@@ -30,6 +30,11 @@ keeps the algorithm identical. (verl also brings per-token old/reference log-pro
 driver; this baseline does not, so its driver traffic is a lower bound of verl's.) Weights go
 from each rank to its own samplers, never through the driver, as in verl's hybrid engine.
 
+Checked on 2026-11-30 with `yatt train configs/demo-arithmetic.yaml` (seed 0, vLLM, 2 devices)
+in both modes: the same reward and policy loss at every one of the 100 steps, held-out accuracy
+65.6% → 94.9% in both; the single driver carried 18 KB per step against the parallel one's 3 KB
+(8 prompts × 8 samples × ≤8 tokens per rank); bench/controller_scaling.py measures larger batches.
+
 Everything the driver sends or receives travels as a pickled payload whose length is counted:
 `driver/bytes_in` and `driver/bytes_out` per step are exact, in both modes (the parallel driver
 counts the pickled records it drains).
