@@ -246,9 +246,8 @@ class Driver:
                 if failed_ok:
                     continue
                 raise _ControllerDied(rank, f"{type(exc).__name__}: {_short(exc)}") from None
-            if records:
-                self._bytes_in += len(pickle.dumps(records, protocol=5))
             for rec in records:
+                self._bytes_in += len(pickle.dumps(rec, protocol=5))  # counted into its own step
                 self._handle(rec)
 
     # ------------------------------------------------------------------ records

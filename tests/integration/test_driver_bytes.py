@@ -46,22 +46,22 @@ def metrics_record(rank: int, step: int) -> dict:
 def test_parallel_driver_counts_the_records_it_drains(ray_head, tmp_path):
     cfg = parse_config({"train": {"batch_size": 2}})
     driver = Driver(cfg, tmp_path, reporter=JsonlReporter(tmp_path))
-    records = [[metrics_record(r, 1), {"rank": r, "type": "event", "kind": "eval", "message": "x",
-                                       "data": {}}] for r in range(2)]
+    records = [[{"rank": r, "type": "event", "kind": "eval", "message": "x", "data": {}},
+                metrics_record(r, 1)] for r in range(2)]
     driver.controllers = [rank_actor(ray_head, recs) for recs in records]
     driver._drain(failed_ok=False)
     [m] = [m for m in read_metrics(tmp_path) if m["step"] == 1]
     # the same records as they arrive from an actor (pickle's size depends on shared objects)
     arrived = [ray_head.get(rank_actor(ray_head, recs).drain.remote()) for recs in records]
     assert arrived == records
-    assert m["driver/bytes_in"] == sum(len(pickle.dumps(recs, protocol=5)) for recs in arrived)
+    assert m["driver/bytes_in"] == sum(len(pickle.dumps(r, protocol=5)) for recs in arrived for r in recs)
     assert m["driver/bytes_out"] == 0 and m["driver/rss_peak_mb"] >= m["driver/rss_mb"] > 0
     driver.controllers = [rank_actor(ray_head, [metrics_record(r, 2)]) for r in range(2)]
     driver._drain(failed_ok=False)
     [m2] = [m for m in read_metrics(tmp_path) if m["step"] == 2]
     # per step: only what was drained since step 1 completed
     again = [ray_head.get(rank_actor(ray_head, [metrics_record(r, 2)]).drain.remote()) for r in range(2)]
-    assert m2["driver/bytes_in"] == sum(len(pickle.dumps(recs, protocol=5)) for recs in again)
+    assert m2["driver/bytes_in"] == sum(len(pickle.dumps(r, protocol=5)) for recs in again for r in recs)
 
 
 @pytest.mark.slow
