@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         run_dir = out or Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         typer.echo(f"yatt train {config} → {run_dir}  ({cfg.algorithm.name}, {cfg.placement.mode} "
-                   f"on {cfg.placement.devices} devices, {cfg.controller.mode} controllers, "
+                   f"on {cfg.placement.devices} devices, {cfg.controller.mode} controller, "
                    f"{cfg.rollout.engine} rollouts)")
 
         def on_step(step: int, metrics: dict[str, float], driver: object) -> None:

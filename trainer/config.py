@@ -137,7 +137,8 @@ class RewardConfig(_Group):
 class ControllerConfig(_Group):
     mode: Literal["parallel", "single"] = Field(
         "parallel", description="parallel: one RL loop per data-parallel rank (YATT); "
-        "single: one controller moves all data (verl-style baseline)."
+        "single: the driver runs the loop and moves all data to and from the same ranks "
+        "(verl-style baseline, trainer/single_controller.py)."
     )
     max_restarts: int = Field(2, ge=0, description="Controller restarts from checkpoint.")
 
@@ -212,9 +213,7 @@ class TrainerConfig(_Group):
 
     @property
     def data_parallel_size(self) -> int:
-        """Number of training controllers this placement runs."""
-        if self.controller.mode == "single":
-            return 1
+        """Number of data-parallel training ranks this placement runs (in both controller modes)."""
         if self.placement.mode == "disaggregated":
             return self.placement.devices - self.rollout_pool_size
         return self.placement.devices

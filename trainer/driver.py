@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -98,6 +100,9 @@ class Driver:
         self._step_metrics: dict[int, dict[str, float]] = {}
         self._started_running = False
         self._proc = psutil.Process()
+        # bytes of pickled payloads this process received / sent (driver/bytes_* per step)
+        self._bytes_in = self._bytes_out = 0
+        self._bytes_mark = (0, 0)
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -242,6 +247,7 @@ class Driver:
                     continue
                 raise _ControllerDied(rank, f"{type(exc).__name__}: {_short(exc)}") from None
             for rec in records:
+                self._bytes_in += len(pickle.dumps(rec, protocol=5))  # counted into its own step
                 self._handle(rec)
 
     # ------------------------------------------------------------------ records
@@ -271,7 +277,12 @@ class Driver:
         metrics = combine_rank_metrics([r["metrics"] for r in per_rank.values()])
         if step > 0:
             metrics["driver/rss_mb"] = self._proc.memory_info().rss / 2**20
+            metrics["driver/rss_peak_mb"] = max(metrics["driver/rss_mb"],  # the kernel's mark lags
+                                                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            metrics["driver/bytes_in"] = float(self._bytes_in - self._bytes_mark[0])
+            metrics["driver/bytes_out"] = float(self._bytes_out - self._bytes_mark[1])
             metrics["controller/restarts"] = float(self.restarts)
+        self._bytes_mark = (self._bytes_in, self._bytes_out)
         if step > 0 and not self._started_running:
             self._started_running = True
             self.reporter.set_state("running")

@@ -62,6 +62,12 @@ def run_training(cfg: TrainerConfig, run_dir: str | Path, *, address: str | None
     from trainer.driver import Driver
     from trainer.telemetry import make_reporter
 
+    driver_cls = Driver
+    if cfg.controller.mode == "single":  # the verl-style baseline: the driver holds the loop
+        from trainer.single_controller import SingleControllerDriver
+
+        driver_cls = SingleControllerDriver
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     reporter = make_reporter(run_dir, flush_interval_s=cfg.report.flush_interval_s,
@@ -71,7 +77,7 @@ def run_training(cfg: TrainerConfig, run_dir: str | Path, *, address: str | None
         if on_message:
             on_message(how)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-        driver = Driver(cfg, run_dir, reporter=reporter, on_step=on_step, on_message=on_message)
+        driver = driver_cls(cfg, run_dir, reporter=reporter, on_step=on_step, on_message=on_message)
         return driver.run()
     except BaseException as exc:
         if not isinstance(exc, Exception) or "driver" not in locals():

@@ -33,16 +33,50 @@ def test_disaggregated_overlaps_rollout_with_training(ray_head, nano_model, tmp_
 
 
 @pytest.mark.slow
-def test_single_controller_baseline_and_dynamic_sampling(ray_head, nano_model, tmp_path):
+def test_single_controller_trains_the_same_ranks_as_parallel_with_all_data_through_the_driver(
+        ray_head, nano_model, tmp_path):
+    """Same seed, devices, ranks and algorithm: the driver-held loop gives the parallel mode's
+    numbers (only the control flow differs), and every sample passes through the driver."""
+    runs = {}
+    for mode in ("parallel", "single"):
+        cfg = tiny_config(nano_model, controller={"mode": mode}, train={"max_steps": 3, "batch_size": 8})
+        runs[mode] = (run_training(cfg, tmp_path / mode, env={}), read_metrics(tmp_path / mode))
+    summary, single = runs["single"]
+    _, parallel = runs["parallel"]
+    assert summary["controller"] == "single" and summary["steps"] == 3
+    placement = next(e for e in read_events(tmp_path / "single") if e["kind"] == "placement")["data"]
+    assert placement["train_devices"] == [0, 1] and placement["local_sampler_devices"] == [0, 1]
+    spans = [s for e in read_events(tmp_path / "single") if e["kind"] == "phase_spans"
+             for s in e["data"]["spans"]]
+    assert {s["device"] for s in spans if s["phase"] == "train"} == {0, 1}  # both ranks train
+    assert {s["device"] for s in spans if s["phase"] == "rollout"} == {0, 1}
+    # the warm start and every RL step took the same numbers in both modes
+    for p, s in zip(parallel, single, strict=True):
+        assert p["step"] == s["step"]
+        for key in ("reward/mean", "loss/policy", "grad_norm", "response/length_mean", "tokens/trained"):
+            if key in p:
+                assert s[key] == pytest.approx(p[key], rel=1e-4, abs=1e-6), (p["step"], key)
+    assert summary["eval/accuracy_end"] == runs["parallel"][0]["eval/accuracy_end"]
+    assert summary["reward/mean_first"] != summary["last/reward/mean"] or summary["last/grad_norm"] > 0
+    for p, s in zip(parallel[1:], single[1:], strict=True):
+        # each generated token brings a float log-prob (9 pickled bytes) to the single driver
+        assert s["driver/bytes_in"] > 9 * s["tokens/generated"]
+        assert s["driver/bytes_out"] > s["tokens/generated"]  # and goes back out in a batch
+        assert p["driver/bytes_in"] > 0 and p["driver/bytes_out"] == 0  # scalars and spans only
+        assert s["time/overhead"] >= 0 and s["driver/rss_peak_mb"] >= s["driver/rss_mb"] > 0
+
+
+@pytest.mark.slow
+def test_single_controller_dynamic_sampling_and_disaggregated_rollouts(ray_head, nano_model, tmp_path):
     cfg = tiny_config(nano_model, controller={"mode": "single"},
+                      placement={"mode": "disaggregated", "devices": 2, "staleness": 1},
                       sampling={"dynamic": True, "max_refills": 2})
     summary = run_training(cfg, tmp_path, env={})
     assert summary["controller"] == "single" and summary["steps"] == 3
-    placement = next(e for e in read_events(tmp_path) if e["kind"] == "placement")["data"]
-    assert placement["train_devices"] == [0] and placement["rollout_devices"] == [1]
     m = [x for x in read_metrics(tmp_path) if x["step"] > 0]
     assert all("sampling/refills" in x and x["sampling/refills"] <= 2 for x in m)
-    assert all("device/1/util_pct" in x for x in m)  # the helper worker's device reports too
+    assert max(x["sampling/staleness"] for x in m) == 1  # the next rollout overlapped training
+    assert all("device/0/busy_frac" in x and "device/1/util_pct" in x for x in m)
 
 
 @pytest.mark.slow

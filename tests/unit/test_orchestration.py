@@ -35,10 +35,18 @@ def test_disaggregated_splits_a_rollout_pool_from_a_training_pool():
     assert not no_overlap.overlap
 
 
-def test_single_controller_moves_all_data_through_device_zero():
-    p = plan(controller={"mode": "single"}, placement={"mode": "colocate", "devices": 3})
-    assert p.train_devices == [0] and p.rollout_devices == [1, 2]
-    assert p.rollout_assignment == [[1, 2]]
+@pytest.mark.parametrize("placement", [{"mode": "colocate", "devices": 3},
+                                       {"mode": "disaggregated", "devices": 4, "rollout_devices": 2}])
+def test_single_controller_uses_the_same_devices_and_ranks_as_parallel(placement):
+    single = plan(controller={"mode": "single"}, placement=placement, train={"batch_size": 6})
+    parallel = plan(controller={"mode": "parallel"}, placement=placement, train={"batch_size": 6})
+    assert single.train_devices == parallel.train_devices and len(single.train_devices) > 1
+    assert single.rollout_devices == parallel.rollout_devices
+    assert single.rollout_assignment == parallel.rollout_assignment
+    assert single.local_sampler_devices == parallel.local_sampler_devices
+    assert any("driver moves every" in n for n in single.notes) and not parallel.notes
+    assert parse_config({"controller": {"mode": "single"}, "placement": placement,
+                         "train": {"batch_size": 6}}).data_parallel_size == len(single.train_devices)
 
 
 @pytest.mark.parametrize("mode", ["partial_colocate", "auto"])

@@ -16,9 +16,8 @@ def plan_disaggregated(cfg: TrainerConfig, devices: list[int], device_type: str,
     rollout = devices[:n_rollout]
     train = devices[n_rollout:]
     notes = []
-    if single:
-        notes.append(f"single controller: trains on device {train[0]}; devices {train[1:]} idle")
-        train = train[:1]
+    if single:  # same devices and ranks; the driver moves every prompt, sample and batch
+        notes.append("single controller: the driver moves every prompt, sample and batch")
     # Each controller feeds from its own share of the rollout pool; when the pool is smaller than
     # the training pool, controllers share workers round-robin.
     if len(rollout) >= len(train):
