@@ -3,16 +3,18 @@
 from backend.auth.models import ApiToken, Project, Role
 from backend.db import Base
 from backend.dispatch.models import RunLog
-from backend.metrics.models import MetricPoint, MetricSummary
+from backend.metrics.models import AppliedBatch, MetricBlock, MetricPoint, MetricSummary
 from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
 
 metadata = Base.metadata
 
 __all__ = [
     "ApiToken",
+    "AppliedBatch",
     "Base",
     "Checkpoint",
     "Experiment",
+    "MetricBlock",
     "MetricPoint",
     "MetricSummary",
     "Project",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -16,7 +16,7 @@ from backend.deps import (
     ReadableRun,
     ReadSessionDep,
     SettingsDep,
-    writable_run,
+    telemetry_run,
 )
 from backend.metrics import service
 from backend.metrics.schemas import MetricBatch, MetricKeyOut, MetricSeries
@@ -36,10 +36,13 @@ router = APIRouter(tags=["metrics"])
     },
 )
 async def post_metrics(
-    run_id: int, request: Request, principal: CurrentPrincipal, db: DatabaseDep, settings: SettingsDep
+    run_id: int, request: Request, response: Response, principal: CurrentPrincipal, db: DatabaseDep,
+    settings: SettingsDep,
 ) -> Accepted:
-    """Append a batch of points in one transaction. Non-finite values (NaN, ±Infinity) are
-    stored as null with their key and step kept; min/max ignore them."""
+    """Store a batch of points in one transaction, one value per (key, step): a step sent again
+    is overwritten (by the same or a later attempt), and a batch whose `batch_id` was applied
+    before changes nothing. Only the run's token of its active attempt may post. Non-finite
+    values (NaN, ±Infinity) are stored as null with their key and step kept; min/max ignore them."""
     # The hot path: pydantic parses and validates the raw JSON in one pass (no dicts in between).
     try:
         body = MetricBatch.model_validate_json(await request.body())
@@ -52,15 +55,21 @@ async def post_metrics(
             "split the batch",
         )
 
-    def write() -> int:
+    def write() -> service.Ingested:
         # the write transaction starts only once the whole body is in memory
         with db.sessionmaker() as db_session:
-            run = writable_run(run_id=run_id, principal=principal, db_session=db_session)
-            n = service.ingest(db_session=db_session, run_id=run.id, points=body.points)
+            run = telemetry_run(run_id=run_id, principal=principal, db_session=db_session)
+            done = service.ingest(
+                db_session=db_session, run_id=run.id, points=body.points, attempt=run.attempt,
+                batch_id=body.batch_id,
+            )
             db_session.commit()
-            return n
+            return done
 
-    return Accepted(accepted=await run_in_threadpool(write))
+    done = await run_in_threadpool(write)
+    if done.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return Accepted(accepted=done.accepted)
 
 
 @router.get("/runs/{run_id}/metrics", response_model=MetricSeries)
@@ -72,8 +81,9 @@ def get_metrics(
     ] = None,
     max_points: Annotated[
         int | None,
-        Query(ge=2, le=1_000_000, description="Sample each series evenly over its steps to at most "
-              "this many points (always keeping the last); default: every point."),
+        Query(ge=2, le=1_000_000, description="Downsample each series to at most this many points: "
+              "per bucket of steps its first point, its lowest and highest values and its first "
+              "non-finite step (null), plus the last point; default: every point."),
     ] = None,
 ) -> JSONResponse:
     """Each key's series in step order; non-finite values come back as null."""

@@ -21,7 +21,7 @@ from sqlalchemy import ColumnElement, and_, case, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased
 
-from backend.auth.service import Principal
+from backend.auth.service import Principal, revoke_run_tokens
 from backend.db import after_commit, utcnow
 from backend.metrics.models import MetricSummary
 from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
@@ -356,6 +356,7 @@ def transition(
         db_session.add(RunAttempt(run_id=run.id, number=run.attempt, created_at=now))
     if target in TERMINAL:
         run.finished_at = now
+        revoke_run_tokens(db_session=db_session, run_id=run.id)  # the attempt's token dies with it
         if target is RunState.failed:
             run.error = reason or run.error or "failed"
     if attempt is not None and target is not RunState.queued:

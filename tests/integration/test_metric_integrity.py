@@ -1,0 +1,121 @@
+"""Metric ingest keeps one value per (run, key, step): retried batches, resumed attempts and
+late points neither double nor lose anything, and counts/min/max match what is stored."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from backend.metrics.models import MetricBlock, MetricPoint
+from backend.metrics.schemas import MetricPointIn
+from backend.metrics.service import ingest
+from backend.runs import service as runs
+from backend.runs.state import RunState
+from tests.conftest import DATABASES, LiveAPI
+
+
+def _run(api: LiveAPI) -> dict[str, Any]:
+    return api.client.create_run(experiment="integrity", config={}, max_attempts=3)
+
+
+def _points(steps: range, keys: tuple[str, ...], offset: float = 0.0) -> list[dict[str, Any]]:
+    return [{"key": k, "step": s, "value": s + offset + i, "time": 1.0e9 + s}
+            for s in steps for i, k in enumerate(keys)]
+
+
+def _stored(api: LiveAPI, run_id: int) -> list[tuple[str, int, float | None, int]]:
+    with api.database.read_session() as s:
+        return [
+            (k, step, v, a)
+            for k, step, v, a in s.execute(
+                select(MetricPoint.key, MetricPoint.step, MetricPoint.value, MetricPoint.attempt)
+                .where(MetricPoint.run_id == run_id).order_by(MetricPoint.key, MetricPoint.step)
+            )
+        ]
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_retried_batches_and_a_resume_leave_one_point_per_key_and_step(live_api: LiveAPI) -> None:
+    run = _run(live_api)
+    keys = ("reward/mean", "loss/policy")
+    with live_api.run_client(run["id"]) as first:
+        batch = _points(range(0, 20), keys)
+        for _ in range(3):  # the reporter timed out twice and resent the same batch
+            assert first.post_metrics(run["id"], batch, batch_id="a1-000000000001") == 40
+        raw = httpx.post(f"{live_api.url}/api/v1/runs/{run['id']}/metrics",
+                         headers={"Authorization": f"Bearer {first.token}"},
+                         json={"batch_id": "a1-000000000001", "points": batch})
+        assert raw.status_code == 200 and raw.headers["Idempotent-Replayed"] == "true"
+        first.post_metrics(run["id"], _points(range(20, 30), keys), batch_id="a1-000000000002")
+
+    # attempt 1 fails; attempt 2 resumes from the checkpoint at step 25 and repeats steps 25..29
+    with live_api.database.session() as s:
+        runs.transition(db_session=s, run_id=run["id"], to_state=RunState.failed, reason="node lost")
+    with live_api.run_client(run["id"]) as second:
+        second.post_metrics(run["id"], _points(range(25, 40), keys, offset=1000.0), batch_id="a2-000000000001")
+
+    stored = _stored(live_api, run["id"])
+    assert len(stored) == len({(k, s) for k, s, _, _ in stored}) == 2 * 40
+    by_step = {(k, s): (v, a) for k, s, v, a in stored}
+    assert by_step[("reward/mean", 24)] == (24.0, 1)
+    assert by_step[("reward/mean", 25)] == (1025.0, 2)  # the resumed attempt's value wins
+    assert by_step[("loss/policy", 29)] == (1030.0, 2)
+
+    summary = {m["key"]: m for m in live_api.client.metric_keys(run["id"])}
+    assert summary["reward/mean"]["count"] == 40
+    assert summary["reward/mean"]["min"] == 0.0
+    assert summary["reward/mean"]["max"] == 1039.0
+    assert summary["reward/mean"]["latest"] == 1039.0 and summary["reward/mean"]["latest_step"] == 39
+    series = live_api.client.metrics(run["id"], ["reward/mean"])["reward/mean"]
+    assert [p["step"] for p in series] == list(range(40))
+    assert [p["value"] for p in series[24:27]] == [24.0, 1025.0, 1026.0]
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_overwriting_the_extreme_recomputes_min_max_and_blocks(live_api: LiveAPI) -> None:
+    run = _run(live_api)
+    with live_api.run_client(run["id"]) as c:
+        c.post_metrics(run["id"], [{"key": "loss", "step": s, "value": 1.0} for s in range(100)])
+        c.post_metrics(run["id"], [{"key": "loss", "step": 50, "value": 99.0},
+                                   {"key": "loss", "step": 60, "value": -5.0}])
+        summary = c.metric_keys(run["id"])[0]
+        assert (summary["count"], summary["min"], summary["max"]) == (100, -5.0, 99.0)
+        # the spike is overwritten again (without a batch id): max falls back, count stays
+        c.post_metrics(run["id"], [{"key": "loss", "step": 50, "value": 1.0},
+                                   {"key": "loss", "step": 50, "value": 2.0}])  # last in batch wins
+        summary = c.metric_keys(run["id"])[0]
+        assert (summary["count"], summary["min"], summary["max"]) == (100, -5.0, 2.0)
+    with live_api.database.read_session() as s:
+        total = s.scalar(select(func.sum(MetricBlock.count)).where(MetricBlock.run_id == run["id"]))
+        block = s.get(MetricBlock, (run["id"], "loss", 50 // 64))
+        assert block is not None
+        extremes = (block.max_value, block.max_step, block.min_value, block.min_step)
+    assert total == 100
+    assert extremes == (2.0, 50, -5.0, 60)
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_a_spike_and_a_nan_survive_downsampling_a_million_points(live_api: LiveAPI) -> None:
+    run = _run(live_api)
+    n, spike, nan_step = 1_000_000, 612_345, 377_777
+    live_api.start_attempt(run["id"])
+    # seeded in bulk through the ingest service itself (no HTTP/JSON): 10 batches of 100,000
+    for start in range(0, n, 100_000):
+        points = []
+        for s in range(start, start + 100_000):
+            value = 250.0 if s == spike else math.nan if s == nan_step else 0.5 + 0.1 * math.sin(s / 5000)
+            points.append(MetricPointIn.model_construct(key="loss", step=s, value=value, time=1.0))
+        with live_api.database.session() as session:
+            ingest(db_session=session, run_id=run["id"], points=points)
+    series = live_api.client.metrics(run["id"], ["loss"], max_points=500)["loss"]
+    assert 100 < len(series) <= 500
+    steps = [p["step"] for p in series]
+    assert steps == sorted(steps) and steps[-1] == n - 1
+    assert {"step": spike, "value": 250.0, "time": 1.0} in series
+    assert any(p["step"] == nan_step and p["value"] is None for p in series)
+    low = min(p["value"] for p in series if p["value"] is not None)
+    assert low == pytest.approx(0.4, abs=1e-6)  # the troughs of the curve are kept too
