@@ -34,6 +34,7 @@ from backend.auth.models import Role
 from backend.client import YattClient
 from backend.db import Database
 from backend.migrate import upgrade
+from backend.runs.models import Run
 from backend.settings import Settings
 
 PG_ADMIN_URL = os.environ.get("YATT_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -58,6 +59,15 @@ class LiveServer:
                 db_session=s, project_id=proj.id, name=f"test-{role}", role=Role(role)
             )
         return value
+
+    def run_token(self, run_id: int) -> str:
+        """A run token for the run's current attempt, minted as the dispatcher does."""
+        with self.database.session() as s:
+            run = s.get(Run, run_id)
+            assert run is not None
+            return auth_service.create_run_token(
+                db_session=s, project_id=run.project_id, run_id=run_id, attempt=run.attempt, ttl_s=600
+            )
 
     def stop(self) -> None:
         self._server.should_exit = True

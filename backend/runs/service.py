@@ -160,9 +160,18 @@ def list_experiments(*, db_session: Session, project_id: int) -> list[tuple[Expe
 # --- runs ----------------------------------------------------------------------------------------
 
 
+# CI facts that change when the same pipeline retries a job (GitLab gives a retried job a new
+# id and URL, GitHub a new run attempt): stored on the run, left out of the comparison.
+CI_RETRY_FIELDS = frozenset({"job", "job_id", "job_url", "run_attempt", "attempt", "runner", "started_at"})
+
+
 def request_hash(run_in: RunCreate) -> str:
-    """A stable fingerprint of a create request, to spot a reused Idempotency-Key."""
-    body = json.dumps(run_in.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """A stable fingerprint of a create request, to spot an Idempotency-Key reused for another
+    request; CI fields a retried job changes (`CI_RETRY_FIELDS`) are not part of it."""
+    data = run_in.model_dump(mode="json")
+    if data.get("ci"):
+        data["ci"] = {k: v for k, v in data["ci"].items() if k not in CI_RETRY_FIELDS}
+    body = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
 
 

@@ -119,3 +119,26 @@ def test_a_spike_and_a_nan_survive_downsampling_a_million_points(live_api: LiveA
     assert any(p["step"] == nan_step and p["value"] is None for p in series)
     low = min(p["value"] for p in series if p["value"] is not None)
     assert low == pytest.approx(0.4, abs=1e-6)  # the troughs of the curve are kept too
+
+
+def test_idempotency_key_is_per_project_and_ignores_what_a_ci_retry_changes(live_api: LiveAPI) -> None:
+    body = {"experiment": "ci", "config": {"seed": 3},
+            "ci": {"provider": "gitlab", "commit": "3f2a9c1", "branch": "main",
+                   "pipeline_url": "https://ci/p/812", "job": "https://ci/jobs/1001"}}
+    headers = {"Idempotency-Key": "pipeline-812"}
+    with httpx.Client(base_url=live_api.url + "/api/v1", timeout=30,
+                      headers={"Authorization": f"Bearer {live_api.token}"}) as c:
+        first = c.post("/runs", json=body, headers=headers)
+        assert first.status_code == 201
+        retried_job = {**body, "ci": {**body["ci"], "job": "https://ci/jobs/1002", "run_attempt": "2"}}
+        again = c.post("/runs", json=retried_job, headers=headers)
+        assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+        assert again.headers["Idempotent-Replayed"] == "true"
+        other_commit = {**body, "ci": {**body["ci"], "commit": "9999999"}}
+        assert c.post("/runs", json=other_commit, headers=headers).status_code == 409
+        assert c.post("/runs", json={**body, "config": {"seed": 4}}, headers=headers).status_code == 409
+    other_project = live_api.client_for("write", project=f"{live_api.project}-b")
+    theirs = other_project.create_run(experiment="ci", config={"seed": 3}, ci=body["ci"],
+                                      idempotency_key="pipeline-812")
+    assert theirs["id"] != first.json()["id"] and theirs["project_id"] != first.json()["project_id"]
+    other_project.close()
