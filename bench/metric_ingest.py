@@ -74,6 +74,7 @@ class Api:
 
     def new_run(self) -> int:
         """A run moved to `running` (admin state reports), with a client holding its run token."""
+        import backend.models  # noqa: F401 - every table, for the ORM's foreign keys
         from backend.auth.service import create_run_token
         from backend.db import Database
 
