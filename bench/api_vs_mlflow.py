@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -79,8 +80,12 @@ class MlflowServer:
 
     def close(self) -> None:
         self.http.close()
-        os.killpg(self.proc.pid, 15)
-        self.proc.wait(timeout=30)
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # its workers can take long to stop on a busy machine
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
 
 
 def mlflow_bodies(total: int, batch: int, keys: list[str]) -> list[list[dict[str, Any]]]:

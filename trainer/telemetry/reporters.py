@@ -110,6 +110,9 @@ class HttpReporter:
                                     headers={"Authorization": f"Bearer {token}"})
         self._pending: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
+        # one sender at a time: close() drains while a slow final flush of the thread may still
+        # run, and two drains would send a batch twice and race on its file
+        self._drain_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._seq = self._last_spool_seq()
@@ -190,13 +193,14 @@ class HttpReporter:
 
     def _spool_pending(self) -> None:
         # Every batch goes through the spool: the order on disk is the order of delivery.
-        with self._lock:
+        with self._lock:  # close() and the thread's last flush may both get here
             items, self._pending = self._pending, []
-        for route, body in self._batches(items):
-            self._seq += 1
+            batches = self._batches(items)
+            first, self._seq = self._seq + 1, self._seq + len(batches)
+        for seq, (route, body) in enumerate(batches, start=first):
             if route == "metrics":
-                body["batch_id"] = f"{self._batch_prefix}-{self._seq:012d}"
-            path = self.spool_dir / f"{self._seq:012d}-{route}.json"
+                body["batch_id"] = f"{self._batch_prefix}-{seq:012d}"
+            path = self.spool_dir / f"{seq:012d}-{route}.json"
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(body))
             tmp.replace(path)
@@ -227,9 +231,16 @@ class HttpReporter:
 
     def _drain_spool(self) -> bool:
         """Send spooled batches oldest first; stop at the first that cannot go yet."""
+        with self._drain_lock:
+            return self._drain_spool_locked()
+
+    def _drain_spool_locked(self) -> bool:
         for path in self._spool_files():
             route = path.stem.split("-", 1)[1]
-            body = json.loads(path.read_text())
+            try:
+                body = json.loads(path.read_text())
+            except FileNotFoundError:  # sent and removed meanwhile
+                continue
             outcome = self._send(route, body)
             if outcome == "retry":
                 return False
