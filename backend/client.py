@@ -210,9 +210,13 @@ class YattClient:
 
     # --- telemetry ---------------------------------------------------------------------------
 
-    def post_metrics(self, run_id: int, points: Sequence[dict[str, Any]]) -> int:
-        """Send `[{"key", "step", "value", "time"}]` (at most 10,000 per call)."""
-        return int(self.request("POST", f"/runs/{run_id}/metrics", json={"points": list(points)})["accepted"])
+    def post_metrics(self, run_id: int, points: Sequence[dict[str, Any]], *, batch_id: str | None = None) -> int:
+        """Send `[{"key", "step", "value", "time"}]` (at most 10,000 per call) with the run's
+        token; a `batch_id` the run has applied before makes the call a no-op."""
+        body: dict[str, Any] = {"points": list(points)}
+        if batch_id is not None:
+            body["batch_id"] = batch_id
+        return int(self.request("POST", f"/runs/{run_id}/metrics", json=body)["accepted"])
 
     def metrics(
         self, run_id: int, keys: Sequence[str] | None = None, *, max_points: int | None = None,

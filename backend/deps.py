@@ -16,6 +16,7 @@ from backend.db import Database
 from backend.fields import RunIdPath
 from backend.runs import service as run_service
 from backend.runs.models import Run
+from backend.runs.state import ACTIVE, RunState
 from backend.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="An API token: `Authorization: Bearer yatt_…`")
@@ -115,23 +116,46 @@ def readable_run_detached(run_id: RunIdPath, principal: CurrentPrincipal, db: Da
 
 
 def run_writer(run_id: RunIdPath, principal: CurrentPrincipal, db_session: SessionDep) -> Run:
-    """A run whose telemetry the caller may write: its run token, or a write+ token of the project."""
-    return writable_run(run_id=run_id, principal=principal, db_session=db_session)
+    """A run whose telemetry the caller may write: only with its run token, while that token's
+    attempt is the run's active one."""
+    return telemetry_run(run_id=run_id, principal=principal, db_session=db_session)
 
 
-def writable_run(*, run_id: int, principal: Principal, db_session: Session) -> Run:
-    """The run, if `principal` may write its telemetry; 403/404 otherwise."""
-    if principal.role is Role.run:
-        if principal.run_id != run_id:
-            raise HTTPException(status.HTTP_403_FORBIDDEN, f"this run token cannot write run {run_id}")
-    elif not principal.can(Role.write):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "this needs a run token or a write token")
+def telemetry_run(*, run_id: int, principal: Principal, db_session: Session) -> Run:
+    """The run, if `principal` is its run token and the token's attempt is still active; 403/404 otherwise."""
+    if principal.role is not Role.run:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            "only the run's own token (handed to its trainer) may write a run's telemetry",
+        )
+    if principal.run_id != run_id:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"this run token cannot write run {run_id}")
     run = run_service.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
     if run is None:
         raise not_found(run_id)
+    if run.attempt != principal.attempt or RunState(run.state) not in ACTIVE:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"this token's attempt {principal.attempt} of run {run_id} is over "
+            f"(the run is {run.state}, attempt {run.attempt})",
+        )
     return run
+
+
+def state_writer(run_id: RunIdPath, principal: CurrentPrincipal, db_session: SessionDep) -> Run:
+    """A run whose state the caller may report: an admin token (a remote dispatcher), or the
+    run's token while its attempt is active."""
+    if principal.role is Role.admin:
+        run = run_service.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
+        if run is None:
+            raise not_found(run_id)
+        return run
+    if principal.role is not Role.run:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "state reports need the run's token or an admin token")
+    return telemetry_run(run_id=run_id, principal=principal, db_session=db_session)
 
 
 ReadableRun = Annotated[Run, Depends(readable_run)]
 DetachedReadableRun = Annotated[Run, Depends(readable_run_detached)]
 WritableRun = Annotated[Run, Depends(run_writer)]
+StateWritableRun = Annotated[Run, Depends(state_writer)]

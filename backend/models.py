@@ -3,7 +3,7 @@
 from backend.auth.models import ApiToken, Project, Role
 from backend.db import Base
 from backend.dispatch.models import RunLog
-from backend.metrics.models import MetricPoint, MetricSummary
+from backend.metrics.models import AppliedBatch, MetricBlock, MetricPoint, MetricSummary
 from backend.metrics.sort_index import RunMetricValue
 from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
 
@@ -11,9 +11,11 @@ metadata = Base.metadata
 
 __all__ = [
     "ApiToken",
+    "AppliedBatch",
     "Base",
     "Checkpoint",
     "Experiment",
+    "MetricBlock",
     "MetricPoint",
     "MetricSummary",
     "Project",

@@ -35,7 +35,11 @@ class Settings(BaseSettings):
     )
     max_metric_points: int = Field(10_000, ge=1, description="Points per POST /metrics batch.")
     run_token_ttl_s: int = Field(
-        7 * 24 * 3600, ge=60, description="Lifetime of the run-scoped token the trainer gets."
+        7 * 24 * 3600, ge=60,
+        description="Lifetime of an attempt's run token when the run sets no max_duration_s.",
+    )
+    run_token_grace_s: float = Field(
+        600.0, ge=0, description="Added to a run token's lifetime for the trainer's last reports."
     )
     stream_poll_s: float = Field(0.5, gt=0, description="How often SSE streams look for news.")
     sqlite_busy_timeout_ms: int = Field(30_000, ge=0)

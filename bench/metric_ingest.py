@@ -4,7 +4,7 @@
 
 Starts the real API (`yatt api`, one uvicorn worker, its own process) on a fresh database of
 each kind, and posts batches of metric points from one client, as a trainer's reporter does:
-`POST /api/v1/runs/{id}/metrics`, one batch at a time. Bodies are encoded before the clock
+`POST /api/v1/runs/{id}/metrics` with the run's token and a batch id, one batch at a time. Bodies are encoded before the clock
 starts, so the figure is the service's (HTTP + validation + one transaction per batch).
 Then it reads a million-point series back with `max_points=1000`. Prints a table and writes
 the `metric_ingest` section of docs/benchmarks.md.
@@ -45,6 +45,8 @@ class Api:
     """`yatt api` in a subprocess on a free port, with an admin token."""
 
     def __init__(self, database_url: str, data_dir: Path):
+        self.database_url = database_url
+        self.trainers: dict[int, httpx.Client] = {}
         env = {**os.environ, "YATT_DATABASE_URL": database_url, "YATT_DATA_DIR": str(data_dir)}
         token = subprocess.run(
             [sys.executable, "-m", "backend.cli", "token", "create", "--project", "bench", "--role", "admin"],
@@ -71,11 +73,30 @@ class Api:
             time.sleep(0.2)
 
     def new_run(self) -> int:
+        """A run moved to `running` (admin state reports), with a client holding its run token."""
+        import backend.models  # noqa: F401 - every table, for the ORM's foreign keys
+        from backend.auth.service import create_run_token
+        from backend.db import Database
+
         r = self.http.post("/runs", json={"experiment": "bench", "config": {}})
         r.raise_for_status()
-        return int(r.json()["id"])
+        run_id = int(r.json()["id"])
+        for state in ("starting", "running"):
+            self.http.post(f"/runs/{run_id}/state", json={"state": state}).raise_for_status()
+        db = Database(self.database_url)
+        try:
+            with db.session() as s:  # minted as the dispatcher does
+                token = create_run_token(db_session=s, project_id=int(r.json()["project_id"]), run_id=run_id,
+                                         attempt=1, ttl_s=3600)
+        finally:
+            db.dispose()
+        self.trainers[run_id] = httpx.Client(base_url=self.url + "/api/v1", timeout=120,
+                                             headers={"Authorization": f"Bearer {token}"})
+        return run_id
 
     def close(self) -> None:
+        for client in self.trainers.values():
+            client.close()
         self.http.close()
         self.proc.terminate()
         self.proc.wait(timeout=20)
@@ -91,7 +112,7 @@ def bodies(total: int, batch: int, keys: list[str]) -> list[bytes]:
             if i % len(keys) == 0:
                 step += 1
             points.append({"key": key, "step": step, "value": (i % 1000) / 1000.0, "time": t0 + i * 1e-3})
-        out.append(json.dumps({"points": points}).encode())
+        out.append(json.dumps({"batch_id": f"bench-{start:012d}", "points": points}).encode())
     return out
 
 
@@ -101,7 +122,8 @@ def ingest(api: Api, run_id: int, payloads: list[bytes]) -> tuple[float, list[fl
     start = time.perf_counter()
     for body in payloads:
         t = time.perf_counter()
-        r = api.http.post(f"/runs/{run_id}/metrics", content=body, headers={"Content-Type": "application/json"})
+        r = api.trainers[run_id].post(f"/runs/{run_id}/metrics", content=body,
+                                      headers={"Content-Type": "application/json"})
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
         latencies.append(time.perf_counter() - t)

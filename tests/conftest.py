@@ -34,6 +34,7 @@ from backend.auth.models import Role
 from backend.client import YattClient
 from backend.db import Database
 from backend.migrate import upgrade
+from backend.runs.models import Run
 from backend.settings import Settings
 
 PG_ADMIN_URL = os.environ.get("YATT_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -58,6 +59,15 @@ class LiveServer:
                 db_session=s, project_id=proj.id, name=f"test-{role}", role=Role(role)
             )
         return value
+
+    def run_token(self, run_id: int) -> str:
+        """A run token for the run's current attempt, minted as the dispatcher does."""
+        with self.database.session() as s:
+            run = s.get(Run, run_id)
+            assert run is not None
+            return auth_service.create_run_token(
+                db_session=s, project_id=run.project_id, run_id=run_id, attempt=run.attempt, ttl_s=600
+            )
 
     def stop(self) -> None:
         self._server.should_exit = True
@@ -108,6 +118,37 @@ class LiveAPI:
     @property
     def database(self) -> Database:
         return self.server.database
+
+    def start_attempt(self, run_id: int) -> str:
+        """Move a run to `running` as the dispatcher would (retrying it first if it failed) and
+        return a run token for its current attempt, as the trainer gets it."""
+        from backend.runs import service as runs
+        from backend.runs.state import RunState
+
+        with self.database.session() as s:
+            run = runs.get_any(db_session=s, run_id=run_id)
+            assert run is not None
+            if run.state == RunState.failed:
+                runs.retry(db_session=s, run_id=run_id)
+            if run.state == RunState.queued:
+                runs.transition(db_session=s, run_id=run_id, to_state=RunState.starting)
+            if run.state == RunState.starting:
+                runs.transition(db_session=s, run_id=run_id, to_state=RunState.running)
+            return auth_service.create_run_token(
+                db_session=s, project_id=run.project_id, run_id=run_id, attempt=run.attempt, ttl_s=600
+            )
+
+    def seed_metrics(self, run_id: int, points: list[dict[str, Any]]) -> None:
+        """Store points through the ingest service, for tests about reading them (not about who may post)."""
+        from backend.metrics.schemas import MetricPointIn
+        from backend.metrics.service import ingest
+
+        with self.database.session() as s:
+            ingest(db_session=s, run_id=run_id, points=[MetricPointIn(**p) for p in points])
+
+    def run_client(self, run_id: int) -> YattClient:
+        """A client holding the run token of a newly started attempt of `run_id`."""
+        return YattClient(self.url, self.start_attempt(run_id), retries=0)
 
     def client_for(self, role: str, project: str | None = None) -> YattClient:
         """A client with a new token of `role` in this (or another) project."""

@@ -2,7 +2,8 @@
 
 The API is the live one of tests/conftest.py (`start_api`: API only, so nothing is dispatched
 and runs stay where the seed puts them). Every run, metric point, event and state move is made
-over HTTP through `YattClient` with an admin token, as the trainer and the dispatcher send them.
+over HTTP through `YattClient`, as the trainer and the dispatcher send them: state moves with an
+admin token, telemetry with the run token of the run's attempt.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,7 @@ class SeededApi:
     token: str  # admin of the seeded project
     read_token: str
     runs: dict[str, int] = field(default_factory=dict)  # role in the seed -> run id
+    run_tokens: dict[int, str] = field(default_factory=dict)  # run id -> its attempt's run token
 
 
 def step_metrics(step: int, t: float) -> list[dict[str, Any]]:
@@ -77,9 +80,10 @@ def _report_steps(c: YattClient, run_id: int, steps: int, t0: float) -> None:
                       size_bytes=73_400_320, metrics={"reward/mean": 0.5})
 
 
-def seed(c: YattClient, *, big: bool = True) -> dict[str, int]:
+def seed(c: YattClient, *, run_token: Callable[[int], str], big: bool = True) -> dict[str, int]:
     """Runs in every state a person meets and (with `big`) one with 200,000 metric points;
-    returns their ids by role ("succeeded", "failed", "cancelled", "big", "running")."""
+    returns their ids by role ("succeeded", "failed", "cancelled", "big", "running").
+    `run_token(run_id)` mints the token of a started run's attempt (the dispatcher's job)."""
     t0 = time.time() - 3600
     cfg = {"train": {"max_steps": 40}, "placement": {"devices": DEVICES}}
     ids: dict[str, int] = {}
@@ -90,38 +94,40 @@ def seed(c: YattClient, *, big: bool = True) -> dict[str, int]:
         ids[role] = run["id"]
         return int(run["id"])
 
-    def start(run_id: int) -> None:
+    def start(run_id: int) -> YattClient:
         c.report_state(run_id, "starting")
         c.report_state(run_id, "running")
+        return YattClient(c.api_url, run_token(run_id), timeout=120)
 
     done = new("succeeded", tags=["baseline"], config={**cfg, "train": {"max_steps": 40,
                                                                         "lr": 5e-5}})
-    start(done)
-    _report_steps(c, done, 30, t0)
+    with start(done) as trainer:
+        _report_steps(trainer, done, 30, t0)
     c.report_state(done, "succeeded", summary={"reward/mean": 0.78})
 
     failed = new("failed", tags=["ci"], ci={"provider": "gitlab", "commit": "3f2a9c1e77",
                                            "branch": "main",
                                            "pipeline_url": "https://ci.example/p/812"})
-    start(failed)
-    _report_steps(c, failed, 5, t0 + 600)
+    with start(failed) as trainer:
+        _report_steps(trainer, failed, 5, t0 + 600)
     c.report_state(failed, "failed", reason="controller 1 died: out of memory at step 5")
 
     cancelled = new("cancelled")
     c.cancel_run(cancelled)  # a queued run is cancelled at once
 
     if big:
-        _seed_big_run(c, new("big", experiment="dash-big", tags=["long"]), t0)
+        big_run = new("big", experiment="dash-big", tags=["long"])
+        with start(big_run) as trainer:
+            _seed_big_run(trainer, big_run, t0)
+        c.report_state(big_run, "succeeded", summary={"reward/mean": 0.99})
 
     running = new("running", tags=["baseline"])
-    start(running)
-    _report_steps(c, running, 12, time.time() - 30)
+    with start(running) as trainer:
+        _report_steps(trainer, running, 12, time.time() - 30)
     return ids
 
 
 def _seed_big_run(c: YattClient, run_id: int, t0: float) -> None:
-    c.report_state(run_id, "starting")
-    c.report_state(run_id, "running")
     keys = ("reward/mean", "throughput/gen_tokens_per_s")
     per_key = BIG_RUN_POINTS // len(keys)
     batch: list[dict[str, Any]] = []
@@ -136,7 +142,6 @@ def _seed_big_run(c: YattClient, run_id: int, t0: float) -> None:
             batch = []
     if batch:
         c.post_metrics(run_id, batch)
-    c.report_state(run_id, "succeeded", summary={"reward/mean": 0.99})
 
 
 def seed_project(server: LiveServer, *, big: bool = True) -> SeededApi:
@@ -144,6 +149,12 @@ def seed_project(server: LiveServer, *, big: bool = True) -> SeededApi:
     project = f"dash-{uuid.uuid4().hex[:8]}"
     admin = server.make_token(project, "admin")
     reader = server.make_token(project, "read")
+    tokens: dict[int, str] = {}
+
+    def run_token(run_id: int) -> str:
+        tokens[run_id] = server.run_token(run_id)
+        return tokens[run_id]
+
     with YattClient(server.url, admin, timeout=120) as c:
-        ids = seed(c, big=big)
-    return SeededApi(server.url, admin, reader, ids)
+        ids = seed(c, run_token=run_token, big=big)
+    return SeededApi(server.url, admin, reader, ids, tokens)

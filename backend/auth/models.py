@@ -48,6 +48,7 @@ class ApiToken(Base):
     run_id: Mapped[int | None] = mapped_column(
         ForeignKey("runs.id", ondelete="CASCADE"), index=True, doc="Set for run-scoped tokens."
     )
+    attempt: Mapped[int | None] = mapped_column(doc="The one attempt a run-scoped token writes for.")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]

@@ -27,6 +27,7 @@ class Principal:
     project_name: str
     role: Role
     run_id: int | None = None
+    attempt: int | None = None
 
     def can(self, role: Role) -> bool:
         """True when this token's role is at least `role` (run tokens only match `run`)."""
@@ -78,6 +79,7 @@ def create_token(
     role: Role,
     expires_in_s: float | None = None,
     run_id: int | None = None,
+    attempt: int | None = None,
 ) -> tuple[ApiToken, str]:
     """Store a new token; returns the row and the plain token (shown once, never stored)."""
     if (role is Role.run) != (run_id is not None):
@@ -90,6 +92,7 @@ def create_token(
         token_hash=hash_token(value),
         prefix=value[: len(TOKEN_PREFIX) + 6],
         run_id=run_id,
+        attempt=attempt,
         expires_at=utcnow() + timedelta(seconds=expires_in_s) if expires_in_s else None,
     )
     db_session.add(row)
@@ -97,17 +100,32 @@ def create_token(
     return row, value
 
 
-def create_run_token(*, db_session: Session, project_id: int, run_id: int, ttl_s: float) -> str:
-    """Mint the short-lived token the trainer uses to write one run's telemetry and state."""
+def create_run_token(
+    *, db_session: Session, project_id: int, run_id: int, attempt: int, ttl_s: float
+) -> str:
+    """Mint the token the trainer uses to write one attempt's telemetry and state; any token
+    the run had before is revoked (a relaunch of the attempt gets a fresh one)."""
+    revoke_run_tokens(db_session=db_session, run_id=run_id)
     _, value = create_token(
         db_session=db_session,
         project_id=project_id,
-        name=f"run-{run_id}",
+        name=f"run-{run_id}-attempt-{attempt}",
         role=Role.run,
         expires_in_s=ttl_s,
         run_id=run_id,
+        attempt=attempt,
     )
     return value
+
+
+def has_live_run_token(*, db_session: Session, run_id: int, attempt: int) -> bool:
+    """Whether the run has an unrevoked, unexpired token for `attempt`."""
+    return db_session.scalar(
+        select(ApiToken.id).where(
+            ApiToken.run_id == run_id, ApiToken.attempt == attempt, ApiToken.revoked_at.is_(None),
+            ApiToken.expires_at > utcnow(),
+        ).limit(1)
+    ) is not None
 
 
 def authenticate(*, db_session: Session, token: str) -> Principal | None:
@@ -129,6 +147,7 @@ def authenticate(*, db_session: Session, token: str) -> Principal | None:
         project_name=project_name,
         role=Role(tok.role),
         run_id=tok.run_id,
+        attempt=tok.attempt,
     )
 
 

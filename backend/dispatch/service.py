@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -33,7 +34,7 @@ from typing import Any
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from backend.auth.service import create_run_token
+from backend.auth.service import create_run_token, has_live_run_token
 from backend.db import Database, utcnow
 from backend.dispatch.models import RunLog
 from backend.dispatch.ray_cluster import JobExists, JobInfo, RayCluster, RayUnavailable
@@ -183,20 +184,47 @@ def _code_version() -> str | None:
         return None
 
 
+def run_token_ttl_s(*, run: Run, settings: Settings) -> float:
+    """How long an attempt's run token lives: the start timeout, the run's `max_duration_s`
+    (default `run_token_ttl_s`) and a grace for its last reports."""
+    return settings.start_timeout_s + (run.max_duration_s or settings.run_token_ttl_s) + settings.run_token_grace_s
+
+
+def run_token_file(run_dir: Path, attempt: int) -> Path:
+    """Where an attempt's run token is handed to the trainer: a file only the run directory holds."""
+    return run_dir / f".run-token-attempt-{attempt}"
+
+
+def _write_secret(path: Path, value: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value)
+    tmp.replace(path)
+
+
 def launch(*, run_id: int, db: Database, cluster: RayCluster, settings: Settings) -> str | None:
-    """Submit the Ray job of a `starting` run's current attempt; a repeat submits nothing."""
+    """Submit the Ray job of a `starting` run's current attempt; a repeat submits nothing.
+
+    The attempt's run token goes to the trainer in a file under the run directory (mode 0600),
+    never in the job's environment, which anyone with access to Ray's Jobs API can read."""
+    code_version, packages = _code_version(), _package_versions()  # a subprocess: outside any transaction
     with db.session() as s:
         run = runs.get_any(db_session=s, run_id=run_id)
         if run is None or run.state != RunState.starting:
             return None
         sid = submission_id(run.id, run.attempt)
         run_dir = (Path(settings.data_dir) / "runs" / str(run.id)).resolve()
-        token = create_run_token(
-            db_session=s, project_id=run.project_id, run_id=run.id, ttl_s=settings.run_token_ttl_s
-        )
+        token_path = run_token_file(run_dir, run.attempt)
+        token = None
+        if not (token_path.exists() and has_live_run_token(db_session=s, run_id=run.id, attempt=run.attempt)):
+            token = create_run_token(
+                db_session=s, project_id=run.project_id, run_id=run.id, attempt=run.attempt,
+                ttl_s=run_token_ttl_s(run=run, settings=settings),
+            )
         runs.record_environment(
-            db_session=s, run=run, code_version=_code_version(),
-            package_versions=_package_versions(), run_dir=str(run_dir),
+            db_session=s, run=run, code_version=code_version, package_versions=packages, run_dir=str(run_dir),
         )
         runs.set_attempt_submission(db_session=s, run_id=run.id, attempt=run.attempt, submission_id=sid)
         env = {
@@ -204,11 +232,13 @@ def launch(*, run_id: int, db: Database, cluster: RayCluster, settings: Settings
             "YATT_RUN_ID": str(run.id),
             "YATT_ATTEMPT": str(run.attempt),
             "YATT_API_URL": settings.api_url,
-            "YATT_RUN_TOKEN": token,
+            "YATT_RUN_TOKEN_FILE": str(token_path),
             "YATT_RUN_DIR": str(run_dir),
             "PYTHONUNBUFFERED": "1",
         }
         metadata_ = {"yatt_run_id": str(run.id), "yatt_attempt": str(run.attempt)}
+    if token is not None:
+        _write_secret(token_path, token)
     try:
         cluster.submit(
             submission_id=sid,
@@ -241,12 +271,16 @@ def _attempt_sid(s: Session, run: Run) -> str:
     return (row.submission_id if row and row.submission_id else None) or submission_id(run.id, run.attempt)
 
 
-def store_log(*, s: Session, cluster: RayCluster, run_id: int, attempt: int, sid: str) -> None:
-    """Copy an attempt's Ray job log into the database (kept after Ray forgets it)."""
+def fetch_log(*, cluster: RayCluster, sid: str) -> str | None:
+    """An attempt's Ray job log, or None when Ray has none (a network call: no transaction open)."""
     try:
-        text_ = cluster.logs(sid)
+        return cluster.logs(sid)
     except (LookupError, RayUnavailable):
-        return
+        return None
+
+
+def save_log(*, s: Session, run_id: int, attempt: int, text_: str) -> None:
+    """Keep an attempt's log in the database (kept after Ray forgets it); never shorten it."""
     row = s.get(RunLog, (run_id, attempt))
     if row is None:
         s.add(RunLog(run_id=run_id, attempt=attempt, text=text_, updated_at=utcnow()))
@@ -266,86 +300,129 @@ def _move(s: Session, run: Run, to: RunState, reason: str, report: ReconcileRepo
         pass
 
 
-def _reconcile_active(s: Session, run: Run, job: JobInfo | None, sid: str, cluster: RayCluster,
-                      settings: Settings, report: ReconcileReport) -> None:
-    state = RunState(run.state)
-    if state is RunState.cancelling:
+@dataclass(frozen=True)
+class _Seen:
+    """What a pass read about a run before asking Ray; compared again before anything is written."""
+
+    run_id: int
+    state: RunState
+    attempt: int
+    sid: str
+    waited_s: float  # since the attempt was created
+    started_at: datetime | None
+    max_duration_s: float | None
+
+
+@dataclass
+class _Action:
+    to: RunState | None = None
+    reason: str = ""
+    stop: bool = False
+    keep_log: bool = False
+    relaunch: bool = False
+
+
+def _decide(seen: _Seen, job: JobInfo | None, settings: Settings) -> _Action:
+    """What to do with an active run, given Ray's view of its job (no I/O)."""
+    sid = seen.sid
+    if seen.state is RunState.cancelling:
         if job is None or job.terminal:
-            if job is not None:
-                store_log(s=s, cluster=cluster, run_id=run.id, attempt=run.attempt, sid=sid)
-            _move(s, run, RunState.cancelled, "Ray job stopped", report)
-        else:
-            cluster.stop(sid)
-        return
-    if state is RunState.starting:
+            return _Action(RunState.cancelled, "Ray job stopped", keep_log=job is not None)
+        return _Action(stop=True)
+    if seen.state is RunState.starting:
         if job is None:
-            attempt = runs.current_attempt(db_session=s, run=run)
-            waited = _age_s(attempt.created_at if attempt else run.updated_at)
-            if waited > settings.start_timeout_s:
-                _move(s, run, RunState.failed,
-                      f"no Ray job started within {settings.start_timeout_s:.0f} s", report)
-            return  # launched again below, outside this transaction
+            if seen.waited_s > settings.start_timeout_s:
+                return _Action(RunState.failed, f"no Ray job started within {settings.start_timeout_s:.0f} s")
+            return _Action(relaunch=True)
         if job.status == "RUNNING":
-            _move(s, run, RunState.running, f"Ray job {sid} running", report)
-            return
+            return _Action(RunState.running, f"Ray job {sid} running")
     if job is None:
-        _move(s, run, RunState.failed, f"Ray job {sid} vanished (was the cluster restarted?)", report)
-        return
+        return _Action(RunState.failed, f"Ray job {sid} vanished (was the cluster restarted?)")
     if job.terminal:
         ended = utcnow().timestamp() - (job.end_time or 0)
         if ended < settings.report_grace_s:
-            return  # the trainer's last reports may still be on their way
-        store_log(s=s, cluster=cluster, run_id=run.id, attempt=run.attempt, sid=sid)
+            return _Action()  # the trainer's last reports may still be on their way
         if job.status == "SUCCEEDED":
             reason = "the trainer exited without reporting a final state"
         else:
             reason = f"Ray job {job.status.lower()}: {job.message.strip()[-2000:] or job.error_type}"
-        _move(s, run, RunState.failed, reason, report)
-        return
-    started = run.started_at
-    if run.max_duration_s and started and _age_s(started) > run.max_duration_s:
-        cluster.stop(sid)
-        _move(s, run, RunState.failed, f"exceeded max_duration_s={run.max_duration_s:g}", report)
+        return _Action(RunState.failed, reason, keep_log=True)
+    if seen.max_duration_s and seen.started_at and _age_s(seen.started_at) > seen.max_duration_s:
+        return _Action(RunState.failed, f"exceeded max_duration_s={seen.max_duration_s:g}", stop=True)
+    return _Action()
+
+
+def _seen(s: Session, run: Run) -> _Seen:
+    attempt = runs.current_attempt(db_session=s, run=run)
+    return _Seen(run.id, RunState(run.state), run.attempt, _attempt_sid(s, run),
+                 _age_s(attempt.created_at if attempt else run.updated_at), run.started_at, run.max_duration_s)
+
+
+@contextmanager
+def _unchanged(db: Database, seen: _Seen) -> Iterator[tuple[Session, Run] | None]:
+    """A short write transaction holding the run as `seen` left it, or None if it moved meanwhile."""
+    with _exclusive(db) as s:
+        run = s.execute(
+            select(Run).where(Run.id == seen.run_id).with_for_update().execution_options(populate_existing=True)
+        ).scalar_one_or_none()
+        yield (s, run) if run is not None and run.state == seen.state and run.attempt == seen.attempt else None
 
 
 def reconcile(*, db: Database, cluster: RayCluster, settings: Settings) -> ReconcileReport:
-    """One pass: match active runs with Ray, retry failed attempts, store logs, admit queued runs."""
+    """One pass: match active runs with Ray, retry failed attempts, store logs, admit queued runs.
+
+    No transaction is open while Ray answers: the pass reads the runs, lets the database go,
+    asks Ray, then writes each change in a short transaction only if the run is still as it
+    was read (compare-and-set); a run that moved meanwhile is looked at again next pass."""
     report = ReconcileReport()
+    with db.read_session() as s:
+        active = [_seen(s, r) for r in runs.runs_in_states(
+            db_session=s, states=[RunState.starting, RunState.running, RunState.cancelling])]
+        retryable = [_seen(s, r) for r in runs.runs_in_states(db_session=s, states=[RunState.failed])
+                     if r.attempt < r.max_attempts]
+        missing_logs = _runs_missing_logs(s)
     relaunch: list[int] = []
-    with _exclusive(db) as s:
-        active = runs.runs_in_states(
-            db_session=s, states=[RunState.starting, RunState.running, RunState.cancelling]
-        )
-        for run in active:
-            report.checked += 1
-            sid = _attempt_sid(s, run)
-            job = cluster.job(sid)
-            _reconcile_active(s, run, job, sid, cluster, settings, report)
-            if run.state == RunState.starting and job is None:
-                relaunch.append(run.id)
-        # failed attempts with attempts left: make sure the job is gone, keep its log, retry
-        for run in runs.runs_in_states(db_session=s, states=[RunState.failed]):
-            if run.attempt >= run.max_attempts:
-                continue
-            sid = _attempt_sid(s, run)
-            job = cluster.job(sid)
-            if job is not None and not job.terminal:
-                cluster.stop(sid)
-                continue
-            if job is not None:
-                store_log(s=s, cluster=cluster, run_id=run.id, attempt=run.attempt, sid=sid)
-            runs.retry(db_session=s, run_id=run.id,
-                       reason=f"attempt {run.attempt} failed; retrying from the newest checkpoint")
-            report.moved[run.id] = RunState.queued.value
-        _store_missing_logs(s, cluster)
+    for seen in active:
+        report.checked += 1
+        job = cluster.job(seen.sid)
+        action = _decide(seen, job, settings)
+        if action.stop:
+            cluster.stop(seen.sid)
+        if action.relaunch:
+            relaunch.append(seen.run_id)
+        if action.to is None:
+            continue
+        text_ = fetch_log(cluster=cluster, sid=seen.sid) if action.keep_log else None
+        with _unchanged(db, seen) as held:
+            if held is not None:
+                s, run = held
+                if text_ is not None:
+                    save_log(s=s, run_id=run.id, attempt=run.attempt, text_=text_)
+                _move(s, run, action.to, action.reason, report)
+    # failed attempts with attempts left: make sure the job is gone, keep its log, retry
+    for seen in retryable:
+        job = cluster.job(seen.sid)
+        if job is not None and not job.terminal:
+            cluster.stop(seen.sid)
+            continue
+        text_ = fetch_log(cluster=cluster, sid=seen.sid) if job is not None else None
+        with _unchanged(db, seen) as held:
+            if held is not None:
+                s, run = held
+                if text_ is not None:
+                    save_log(s=s, run_id=run.id, attempt=run.attempt, text_=text_)
+                runs.retry(db_session=s, run_id=run.id,
+                           reason=f"attempt {run.attempt} failed; retrying from the newest checkpoint")
+                report.moved[run.id] = RunState.queued.value
+    _store_missing_logs(db, cluster, missing_logs)
     for run_id in relaunch:
         launch(run_id=run_id, db=db, cluster=cluster, settings=settings)
     report.admitted = schedule(db=db, cluster=cluster, settings=settings)
     return report
 
 
-def _store_missing_logs(s: Session, cluster: RayCluster) -> None:
-    """Runs that ended by the trainer's own report: keep their log once the job has ended."""
+def _runs_missing_logs(s: Session) -> list[tuple[int, int, str]]:
+    """Runs that ended by the trainer's own report and whose log is not stored yet."""
     rows = s.execute(
         select(Run.id, Run.attempt, RunAttempt.submission_id)
         .join(RunAttempt, (RunAttempt.run_id == Run.id) & (RunAttempt.number == Run.attempt))
@@ -355,14 +432,19 @@ def _store_missing_logs(s: Session, cluster: RayCluster) -> None:
         .order_by(Run.id.desc())
         .limit(20)
     ).all()
+    return [(run_id, attempt, sid) for run_id, attempt, sid in rows if sid is not None]
+
+
+def _store_missing_logs(db: Database, cluster: RayCluster, rows: list[tuple[int, int, str]]) -> None:
+    """Keep the logs of runs that ended by their own report, once their job has ended."""
     for run_id, attempt, sid in rows:
-        if sid is None:
-            continue
         job = cluster.job(sid)
-        if job is None:
-            s.add(RunLog(run_id=run_id, attempt=attempt, text="", updated_at=utcnow()))
-        elif job.terminal:
-            store_log(s=s, cluster=cluster, run_id=run_id, attempt=attempt, sid=sid)
+        if job is not None and not job.terminal:
+            continue
+        text_ = (fetch_log(cluster=cluster, sid=sid) or "") if job is not None else ""
+        with db.session() as s:
+            if s.get(RunLog, (run_id, attempt)) is None:
+                save_log(s=s, run_id=run_id, attempt=attempt, text_=text_)
 
 
 def stop(*, run_id: int, db: Database, cluster: RayCluster) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -17,7 +17,7 @@ from backend.deps import (
     ReadableRun,
     ReadSessionDep,
     SettingsDep,
-    writable_run,
+    telemetry_run,
 )
 from backend.fields import MAX_STEP, RunIdPath, StorableStr
 from backend.metrics import export, newer, service
@@ -38,10 +38,13 @@ router = APIRouter(tags=["metrics"])
     },
 )
 async def post_metrics(
-    run_id: RunIdPath, request: Request, principal: CurrentPrincipal, db: DatabaseDep, settings: SettingsDep
+    run_id: RunIdPath, request: Request, response: Response, principal: CurrentPrincipal, db: DatabaseDep,
+    settings: SettingsDep,
 ) -> Accepted:
-    """Append a batch of points in one transaction. Non-finite values (NaN, ±Infinity) are
-    stored as null with their key and step kept; min/max ignore them."""
+    """Store a batch of points in one transaction, one value per (key, step): a step sent again
+    is overwritten (by the same or a later attempt), and a batch whose `batch_id` was applied
+    before changes nothing. Only the run's token of its active attempt may post. Non-finite
+    values (NaN, ±Infinity) are stored as null with their key and step kept; min/max ignore them."""
     # The hot path: pydantic parses and validates the raw JSON in one pass (no dicts in between).
     try:
         body = MetricBatch.model_validate_json(await request.body())
@@ -54,15 +57,21 @@ async def post_metrics(
             "split the batch",
         )
 
-    def write() -> int:
+    def write() -> service.Ingested:
         # the write transaction starts only once the whole body is in memory
         with db.sessionmaker() as db_session:
-            run = writable_run(run_id=run_id, principal=principal, db_session=db_session)
-            n = service.ingest(db_session=db_session, run_id=run.id, points=body.points)
+            run = telemetry_run(run_id=run_id, principal=principal, db_session=db_session)
+            done = service.ingest(
+                db_session=db_session, run_id=run.id, points=body.points, attempt=run.attempt,
+                batch_id=body.batch_id,
+            )
             db_session.commit()
-            return n
+            return done
 
-    return Accepted(accepted=await run_in_threadpool(write))
+    done = await run_in_threadpool(write)
+    if done.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return Accepted(accepted=done.accepted)
 
 
 MAX_KEYS = 200  # keys in one read
@@ -92,8 +101,9 @@ def get_metrics(
     keys: Annotated[StorableStr | None, _KEYS_QUERY] = None,
     max_points: Annotated[
         int,
-        Query(ge=2, le=MAX_POINTS, description="Sample each series evenly over its steps to at most "
-              "this many points (always keeping the last). For every point, use `/metrics.csv`."),
+        Query(ge=2, le=MAX_POINTS, description="Downsample each series to at most this many points: "
+              "per bucket of steps its first point, its lowest and highest values and its first "
+              "non-finite step (null), plus the last point. For every point, use `/metrics.csv`."),
     ] = DEFAULT_POINTS,
     after_step: Annotated[
         int | None,

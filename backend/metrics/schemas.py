@@ -26,6 +26,7 @@ class MetricBatch(BaseModel):
         json_schema_extra={
             "examples": [
                 {
+                    "batch_id": "a1-000000000042",
                     "points": [
                         {"key": "reward/mean", "step": 1, "value": 0.31, "time": 1764403200.5},
                         {"key": "throughput/tokens_per_s", "step": 1, "value": 2810.0, "time": 1764403200.5},
@@ -35,6 +36,11 @@ class MetricBatch(BaseModel):
         }
     )
 
+    batch_id: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
+        description="The sender's id for this batch: a batch the run has already applied is "
+        "not applied again (the answer carries `Idempotent-Replayed: true`).",
+    )
     points: list[MetricPointIn]
 
 

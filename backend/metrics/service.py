@@ -8,24 +8,50 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import case, func, select, text
+from sqlalchemy import case, delete, func, insert, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from backend.db import utcnow
 from backend.metrics import sort_index
-from backend.metrics.models import MetricPoint, MetricSummary
+from backend.metrics.models import (
+    BLOCK_STEPS,
+    AppliedBatch,
+    MetricBlock,
+    MetricPoint,
+    MetricSummary,
+)
 from backend.metrics.schemas import MetricPointIn
 
 
 @dataclass
-class _KeyStats:
-    latest: float | None
-    latest_step: int
-    latest_time: float
-    min: float | None
-    max: float | None
-    count: int
+class _Block:
+    count: int = 0
+    min_value: float | None = None
+    min_step: int | None = None
+    max_value: float | None = None
+    max_step: int | None = None
+    nonfinite_step: int | None = None
+
+    def add(self, step: int, value: float | None) -> None:
+        self.count += 1
+        if value is None:
+            if self.nonfinite_step is None or step < self.nonfinite_step:
+                self.nonfinite_step = step
+            return
+        if self.min_value is None or value < self.min_value:
+            self.min_value, self.min_step = value, step
+        if self.max_value is None or value > self.max_value:
+            self.max_value, self.max_step = value, step
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """What one ingest did: the points it accepted, and whether the batch id was seen before."""
+
+    accepted: int
+    replayed: bool = False
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -41,65 +67,201 @@ def _nullable(op: str, a: Any, b: Any) -> Any:
     return case((a.is_(None), b), (b.is_(None), a), (better, a), else_=b)
 
 
-def ingest(*, db_session: Session, run_id: int, points: Sequence[MetricPointIn]) -> int:
-    """Append a batch of points to a run and fold it into the run's summaries; returns the count."""
+def _make_insert(db_session: Session) -> Any:
+    dialect = db_session.get_bind().dialect.name
+    if dialect == "postgresql":
+        return pg_insert
+    if dialect == "sqlite":
+        return sqlite_insert
+    raise NotImplementedError(f"metric ingest needs an upsert on {dialect}")  # pragma: no cover
+
+
+def ingest(
+    *,
+    db_session: Session,
+    run_id: int,
+    points: Sequence[MetricPointIn],
+    attempt: int = 1,
+    batch_id: str | None = None,
+) -> Ingested:
+    """Store a batch of points, one per (key, step), and keep the run's summaries and blocks
+    exact. A step stored before is overwritten unless an older attempt sends it (last writer
+    wins, per attempt); within a batch the last point of a (key, step) wins. A batch whose
+    `batch_id` this run has already applied changes nothing (`replayed`)."""
+    if db_session.get_bind().dialect.name == "postgresql":
+        # one ingest per run at a time: the overlap check below reads what it then writes
+        db_session.execute(text("SELECT pg_advisory_xact_lock(:a, :b)"), {"a": 0x7961, "b": run_id})
+    if batch_id is not None:
+        claimed = db_session.execute(
+            _make_insert(db_session)(AppliedBatch.__table__)
+            .values(run_id=run_id, batch_id=batch_id, attempt=attempt, points=len(points), created_at=utcnow())
+            .on_conflict_do_nothing()
+            .returning(AppliedBatch.batch_id)
+        ).scalar()
+        if claimed is None:
+            stored = db_session.scalar(
+                select(AppliedBatch.points).where(AppliedBatch.run_id == run_id, AppliedBatch.batch_id == batch_id)
+            )
+            return Ingested(int(stored or 0), replayed=True)
     if not points:
-        return 0
+        return Ingested(0)
     now = _time.time()
-    rows: list[tuple[int, str, int, float | None, float]] = []
-    stats: dict[str, _KeyStats] = {}
-    for p in points:
-        value = finite_or_none(p.value)
-        t = p.time if p.time is not None else now
-        rows.append((run_id, p.key, p.step, value, t))
-        s = stats.get(p.key)
-        if s is None:
-            stats[p.key] = _KeyStats(value, p.step, t, value, value, 1)
+    isfinite = math.isfinite
+    by_key: dict[str, dict[int, tuple[float | None, float]]] = {}
+    for p in points:  # the last point of a (key, step) wins
+        v = p.value
+        if v is not None and not isfinite(v):
+            v = None
+        series_ = by_key.get(p.key)
+        if series_ is None:
+            series_ = by_key[p.key] = {}
+        series_[p.step] = (v, p.time if p.time is not None else now)
+    known: dict[str, int] = {
+        key: step
+        for key, step in db_session.execute(
+            select(MetricSummary.key, MetricSummary.latest_step).where(
+                MetricSummary.run_id == run_id, MetricSummary.key.in_(list(by_key))
+            )
+        )
+    }
+    rows: list[tuple[int, str, int, float | None, float, int]] = []
+    stats: list[dict[str, Any]] = []
+    blocks: dict[tuple[str, int], _Block] = {}
+    overlap: list[tuple[str, int, int]] = []
+    for key, series_ in by_key.items():
+        rows.extend([(run_id, key, step, v, t, attempt) for step, (v, t) in series_.items()])
+        first, last = min(series_), max(series_)
+        if key in known and first <= known[key]:
+            # the batch reaches back to steps the key already has (a resumed attempt, a resent
+            # batch without an id, late points): recompute its blocks and summary from storage
+            overlap.append((key, first, last))
             continue
-        s.count += 1
-        if p.step >= s.latest_step:
-            s.latest, s.latest_step, s.latest_time = value, p.step, t
-        if value is not None:
-            s.min = value if s.min is None else min(s.min, value)
-            s.max = value if s.max is None else max(s.max, value)
-    _insert_points(db_session, rows)
-    _upsert_summaries(
-        db_session,
-        [{"run_id": run_id, "key": key, **vars(s)} for key, s in stats.items()],
-    )
-    sort_index.sync(db_session=db_session, run_id=run_id, keys=list(stats))
-    return len(rows)
+        values = [v for v, _ in series_.values() if v is not None]
+        latest, latest_time = series_[last]
+        stats.append({"run_id": run_id, "key": key, "latest": latest, "latest_step": last,
+                      "latest_time": latest_time, "min": min(values) if values else None,
+                      "max": max(values) if values else None, "count": len(series_)})
+        for step, (v, _) in series_.items():
+            block = blocks.get((key, step // BLOCK_STEPS))
+            if block is None:
+                block = blocks[(key, step // BLOCK_STEPS)] = _Block()
+            block.add(step, v)
+    _upsert_points(db_session, rows)
+    _merge_blocks(db_session, run_id, blocks)
+    _upsert_summaries(db_session, stats)
+    for key, first, last in overlap:
+        _rebuild(db_session, run_id, key, first // BLOCK_STEPS, last // BLOCK_STEPS)
+    sort_index.sync(db_session=db_session, run_id=run_id, keys=list(by_key))
+    return Ingested(len(rows))
 
 
-_COLUMNS = "run_id, key, step, value, time"
+_COLUMNS = "run_id, key, step, value, time, attempt"
+_OVERWRITE = (
+    "ON CONFLICT (run_id, key, step) DO UPDATE SET value = excluded.value, time = excluded.time, "
+    "attempt = excluded.attempt WHERE excluded.attempt >= metric_points.attempt"
+)
 
 
-def _insert_points(db_session: Session, rows: list[tuple[int, str, int, float | None, float]]) -> None:
-    # The hot path of ingest: below the ORM, in the session's transaction. PostgreSQL gets
-    # COPY (several times faster than executemany), SQLite a plain executemany.
+def _upsert_points(db_session: Session, rows: list[tuple[int, str, int, float | None, float, int]]) -> None:
+    # The hot path of ingest: below the ORM, in the session's transaction, one statement per
+    # batch on PostgreSQL (arrays unnested server-side), an executemany on SQLite.
     conn = db_session.connection()
     if conn.dialect.name == "postgresql":
         with conn.connection.driver_connection.cursor() as cur:  # type: ignore[union-attr]
-            with cur.copy(f"COPY {MetricPoint.__tablename__} ({_COLUMNS}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+            cur.execute(
+                f"INSERT INTO metric_points ({_COLUMNS}) "
+                "SELECT %s, k, s, v, t, %s FROM unnest(%s::varchar[], %s::bigint[], %s::float8[], %s::float8[]) "
+                f"AS u(k, s, v, t) {_OVERWRITE}",
+                (rows[0][0], rows[0][5], [r[1] for r in rows], [r[2] for r in rows],
+                 [r[3] for r in rows], [r[4] for r in rows]),
+            )
     else:
         conn.exec_driver_sql(
-            f"INSERT INTO {MetricPoint.__tablename__} ({_COLUMNS}) VALUES (?, ?, ?, ?, ?)", rows
+            f"INSERT INTO metric_points ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) {_OVERWRITE}", rows
         )
 
 
+def _least(a: str, b: str) -> str:
+    return f"CASE WHEN {a} IS NULL THEN {b} WHEN {b} IS NULL THEN {a} WHEN {b} < {a} THEN {b} ELSE {a} END"
+
+
+def _greatest(a: str, b: str) -> str:
+    return f"CASE WHEN {a} IS NULL THEN {b} WHEN {b} IS NULL THEN {a} WHEN {b} > {a} THEN {b} ELSE {a} END"
+
+
+def _step_of(better: str, new: str, old: str) -> str:
+    return (f"CASE WHEN excluded.{new}_value IS NULL THEN metric_blocks.{new}_step "
+            f"WHEN metric_blocks.{new}_value IS NULL THEN excluded.{new}_step "
+            f"WHEN excluded.{new}_value {better} metric_blocks.{new}_value THEN excluded.{new}_step "
+            f"ELSE metric_blocks.{old}_step END")
+
+
+# Plain SQL, the same on SQLite and PostgreSQL, sent as one executemany: compiling a
+# multi-row INSERT per batch costs more than the database's work.
+_MERGE_BLOCKS = (
+    "INSERT INTO metric_blocks (run_id, key, block, count, min_value, min_step, max_value, max_step, "
+    "nonfinite_step) VALUES (:run_id, :key, :block, :count, :min_value, :min_step, :max_value, "
+    ":max_step, :nonfinite_step) ON CONFLICT (run_id, key, block) DO UPDATE SET "
+    "count = metric_blocks.count + excluded.count, "
+    f"min_step = {_step_of('<', 'min', 'min')}, "
+    f"max_step = {_step_of('>', 'max', 'max')}, "
+    f"min_value = {_least('metric_blocks.min_value', 'excluded.min_value')}, "
+    f"max_value = {_greatest('metric_blocks.max_value', 'excluded.max_value')}, "
+    f"nonfinite_step = {_least('metric_blocks.nonfinite_step', 'excluded.nonfinite_step')}"
+)
+
+
+def _merge_blocks(db_session: Session, run_id: int, blocks: dict[tuple[str, int], _Block]) -> None:
+    """Fold new points' extremes into their blocks (new steps only: nothing is replaced)."""
+    if blocks:
+        db_session.execute(
+            text(_MERGE_BLOCKS),
+            [{"run_id": run_id, "key": key, "block": block, **vars(b)} for (key, block), b in blocks.items()],
+        )
+
+
+def _rebuild(db_session: Session, run_id: int, key: str, first_block: int, last_block: int) -> None:
+    """Recompute a key's blocks in [first_block, last_block] from the stored points, then its
+    summary from all its blocks and its highest step."""
+    mp, mb = MetricPoint, MetricBlock
+    blocks: dict[int, _Block] = {}
+    for step, value in db_session.execute(
+        select(mp.step, mp.value).where(
+            mp.run_id == run_id, mp.key == key,
+            mp.step >= first_block * BLOCK_STEPS, mp.step < (last_block + 1) * BLOCK_STEPS,
+        )
+    ):
+        blocks.setdefault(step // BLOCK_STEPS, _Block()).add(step, value)
+    db_session.execute(
+        delete(mb).where(mb.run_id == run_id, mb.key == key, mb.block >= first_block, mb.block <= last_block)
+    )
+    if blocks:
+        db_session.execute(
+            insert(mb), [{"run_id": run_id, "key": key, "block": i, **vars(b)} for i, b in blocks.items()]
+        )
+    count, lo, hi = db_session.execute(
+        select(func.sum(mb.count), func.min(mb.min_value), func.max(mb.max_value))
+        .where(mb.run_id == run_id, mb.key == key)
+    ).one()
+    last = db_session.execute(
+        select(mp.step, mp.value, mp.time).where(mp.run_id == run_id, mp.key == key)
+        .order_by(mp.step.desc()).limit(1)
+    ).one()
+    summary = db_session.get(MetricSummary, (run_id, key))
+    values = {"latest": last[1], "latest_step": last[0], "latest_time": last[2],
+              "min": lo, "max": hi, "count": int(count or 0)}
+    if summary is None:
+        db_session.add(MetricSummary(run_id=run_id, key=key, **values))
+    else:
+        for name, value in values.items():
+            setattr(summary, name, value)
+    db_session.flush()
+
+
 def _upsert_summaries(db_session: Session, rows: list[dict[str, Any]]) -> None:
-    dialect = db_session.get_bind().dialect.name
-    if dialect == "postgresql":
-        make_insert: Any = pg_insert
-    elif dialect == "sqlite":
-        make_insert = sqlite_insert
-    else:  # pragma: no cover - yatt supports SQLite and PostgreSQL
-        raise NotImplementedError(f"metric summaries need an upsert on {dialect}")
     table = MetricSummary.__table__
     for start in range(0, len(rows), 500):
-        stmt = make_insert(table).values(rows[start : start + 500])
+        stmt = _make_insert(db_session)(table).values(rows[start : start + 500])
         new = stmt.excluded
         newer = new.latest_step >= table.c.latest_step
         stmt = stmt.on_conflict_do_update(
@@ -141,7 +303,7 @@ _SAMPLE_SQL = text(
             ORDER BY q.step LIMIT 1
         ) FROM buckets
     )
-    ORDER BY p.step, p.id
+    ORDER BY p.step
     """
 )
 
@@ -153,9 +315,11 @@ def _points(rows: Iterable[Any]) -> list[dict[str, Any]]:
 def series(
     *, db_session: Session, run_id: int, keys: Sequence[str] | None = None, max_points: int = 1000
 ) -> dict[str, list[dict[str, Any]]]:
-    """Each key's points in step order; a series longer than `max_points` is sampled evenly
-    over its step range (always keeping the last point), so the answer has at most
-    `max_points` points. Keys with no points come back empty."""
+    """Each key's points in step order, at most `max_points` per key. A longer series is
+    downsampled so that nothing a person must see disappears: its step range is cut into
+    buckets, and each bucket keeps its first point, its lowest and highest values and its
+    first non-finite step (null), plus the series' last point. Keys with no points come back
+    empty."""
     counts = {
         s.key: s.count
         for s in db_session.scalars(select(MetricSummary).where(MetricSummary.run_id == run_id))
@@ -169,30 +333,68 @@ def series(
         if count == 0:
             out[key] = []
         elif count <= max_points:
-            rows = db_session.execute(
-                select(mp.step, mp.value, mp.time).where(*where).order_by(mp.step, mp.id)
-            )
+            rows = db_session.execute(select(mp.step, mp.value, mp.time).where(*where).order_by(mp.step))
             out[key] = _points(rows)
         else:
-            # two index seeks; SQLite would scan the whole series for min() and max() together
-            lo = db_session.execute(select(mp.step).where(*where).order_by(mp.step).limit(1)).scalar_one()
-            last = db_session.execute(
-                select(mp.step, mp.value, mp.time)
-                .where(*where)
-                .order_by(mp.step.desc())
-                .limit(1)
-            ).one()
-            n = max(1, max_points - 1)
-            sampled = _points(
-                db_session.execute(
-                    _SAMPLE_SQL,
-                    {"n": n, "run_id": run_id, "key": key, "lo": lo, "span": last[0] - lo + 1},
-                )
-            )
-            if not sampled or sampled[-1]["step"] != last[0]:
-                sampled.append({"step": last[0], "value": last[1], "time": last[2]})
-            out[key] = sampled[:max_points]
+            out[key] = _downsample(db_session, run_id, key, max_points)
     return out
+
+
+# Which points a downsampled series keeps first when the budget is tight (lower first).
+_LAST, _NONFINITE, _MAX, _MIN, _FIRST = range(5)
+
+
+def _downsample(db_session: Session, run_id: int, key: str, max_points: int) -> list[dict[str, Any]]:
+    mp, mb = MetricPoint, MetricBlock
+    where = (mp.run_id == run_id, mp.key == key)
+    # two index seeks; SQLite would scan the whole series for min() and max() together
+    lo = db_session.execute(select(mp.step).where(*where).order_by(mp.step).limit(1)).scalar_one()
+    last = db_session.execute(
+        select(mp.step, mp.value, mp.time).where(*where).order_by(mp.step.desc()).limit(1)
+    ).one()
+    span = last[0] - lo + 1
+    n = max(1, (max_points - 1) // 4)
+    keep: dict[int, tuple[int, dict[str, Any]]] = {}
+
+    def offer(priority: int, point: dict[str, Any]) -> None:
+        held = keep.get(point["step"])
+        if held is None or priority < held[0]:
+            keep[point["step"]] = (priority, point)
+
+    for p in _points(
+        db_session.execute(_SAMPLE_SQL, {"n": n, "run_id": run_id, "key": key, "lo": lo, "span": span})
+    ):
+        offer(_FIRST, p)
+    offer(_LAST, {"step": last[0], "value": last[1], "time": last[2]})
+
+    # extremes per bucket, from the per-block extremes (never from the raw series)
+    lows: dict[int, tuple[float, int | None]] = {}
+    highs: dict[int, tuple[float, int | None]] = {}
+    nonfinite: dict[int, int] = {}
+    for block, lo_v, lo_s, hi_v, hi_s, nf in db_session.execute(
+        select(mb.block, mb.min_value, mb.min_step, mb.max_value, mb.max_step, mb.nonfinite_step)
+        .where(mb.run_id == run_id, mb.key == key)
+    ):
+        b = min(n - 1, max(0, (block * BLOCK_STEPS - lo) * n // span))
+        if lo_v is not None and (b not in lows or lo_v < lows[b][0]):
+            lows[b] = (lo_v, lo_s)
+        if hi_v is not None and (b not in highs or hi_v > highs[b][0]):
+            highs[b] = (hi_v, hi_s)
+        if nf is not None and (b not in nonfinite or nf < nonfinite[b]):
+            nonfinite[b] = nf
+    wanted = {s: _MIN for _, s in lows.values() if s is not None}
+    wanted.update({s: _MAX for _, s in highs.values() if s is not None})
+    wanted.update({s: _NONFINITE for s in nonfinite.values()})
+    steps = sorted(wanted)
+    for start in range(0, len(steps), 500):
+        for p in _points(
+            db_session.execute(
+                select(mp.step, mp.value, mp.time).where(*where, mp.step.in_(steps[start : start + 500]))
+            )
+        ):
+            offer(wanted[p["step"]], p)
+    chosen = sorted(keep.values(), key=lambda held: (held[0], held[1]["step"]))[:max_points]
+    return sorted((p for _, p in chosen), key=lambda p: p["step"])
 
 
 def max_point_id(*, db_session: Session) -> int:

@@ -23,7 +23,7 @@ from sqlalchemy import ColumnElement, and_, exists, func, null, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, load_only
 
-from backend.auth.service import Principal
+from backend.auth.service import Principal, revoke_run_tokens
 from backend.db import after_commit, utcnow
 from backend.metrics import service as metric_service
 from backend.metrics.models import MetricSummary
@@ -165,9 +165,18 @@ def list_experiments(*, db_session: Session, project_id: int) -> list[tuple[Expe
 # --- runs ----------------------------------------------------------------------------------------
 
 
+# CI facts that change when the same pipeline retries a job (GitLab gives a retried job a new
+# id and URL, GitHub a new run attempt): stored on the run, left out of the comparison.
+CI_RETRY_FIELDS = frozenset({"job", "job_id", "job_url", "run_attempt", "attempt", "runner", "started_at"})
+
+
 def request_hash(run_in: RunCreate) -> str:
-    """A stable fingerprint of a create request, to spot a reused Idempotency-Key."""
-    body = json.dumps(run_in.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """A stable fingerprint of a create request, to spot an Idempotency-Key reused for another
+    request; CI fields a retried job changes (`CI_RETRY_FIELDS`) are not part of it."""
+    data = run_in.model_dump(mode="json")
+    if data.get("ci"):
+        data["ci"] = {k: v for k, v in data["ci"].items() if k not in CI_RETRY_FIELDS}
+    body = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
 
 
@@ -361,6 +370,7 @@ def transition(
         db_session.add(RunAttempt(run_id=run.id, number=run.attempt, created_at=now))
     if target in TERMINAL:
         run.finished_at = now
+        revoke_run_tokens(db_session=db_session, run_id=run.id)  # the attempt's token dies with it
         if target is RunState.failed:
             run.error = reason or run.error or "failed"
     if attempt is not None and target is not RunState.queued:

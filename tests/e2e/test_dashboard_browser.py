@@ -74,7 +74,7 @@ def test_run_page_draws_live_charts_without_errors(api: SeededApi) -> None:
             # live: new steps reported by the "trainer" appear without a reload
             step_value = page.get_by_test_id("stMetricValue").first
             assert step_value.inner_text() == "11"
-            with YattClient(api.url, api.token) as c:
+            with YattClient(api.url, api.run_tokens[run_id]) as c:  # the trainer's token
                 c.post_metrics(run_id, [p_ for s in (12, 13, 14)
                                         for p_ in step_metrics(s, time.time())])
             page.wait_for_function(

@@ -107,7 +107,7 @@ def test_submit_list_show_metrics_cancel(live_api: LiveAPI, config_file: Path) -
     code, out, _ = yatt(live_api, "runs", "show", str(run_id), "--json")
     assert code == 0 and json.loads(out)["id"] == run_id
 
-    live_api.client.post_metrics(run_id, [{"key": "reward/mean", "step": s, "value": s / 4} for s in range(4)])
+    live_api.seed_metrics(run_id, [{"key": "reward/mean", "step": s, "value": s / 4} for s in range(4)])
     code, out, _ = yatt(live_api, "metrics", str(run_id))
     assert code == 0 and "reward/mean" in out and "0.75" in out
     code, out, _ = yatt(live_api, "metrics", str(run_id), "--key", "reward/mean", "--json")

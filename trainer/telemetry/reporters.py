@@ -3,8 +3,11 @@
 `JsonlReporter` always writes `metrics.jsonl`, `events.jsonl` and `summary.json` under the run
 directory. `HttpReporter` sends the same records to the backend API (docs/contracts.md) from a
 background thread: batched, retried, spooled to disk while the API is unreachable and replayed
-afterwards in order, so nothing is lost — a later attempt of the run replays what an earlier one
-left spooled. `make_reporter` picks them from the environment.
+afterwards in order, so nothing is lost. Every metric batch carries a batch id that stays with it
+on disk, so a batch resent after a timeout is applied once. The spool is per attempt: a trainer
+restarted within an attempt replays what it left, a later attempt never replays an earlier
+attempt's batches (that attempt's token is revoked, and its stale state must not land on the new
+one). `make_reporter` picks them from the environment.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -106,9 +110,13 @@ class HttpReporter:
                                     headers={"Authorization": f"Bearer {token}"})
         self._pending: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
+        # one sender at a time: close() drains while a slow final flush of the thread may still
+        # run, and two drains would send a batch twice and race on its file
+        self._drain_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._seq = self._last_spool_seq()
+        self._batch_prefix = uuid.uuid4().hex[:12]  # batch ids stay unique across restarts
         self.sent_batches = 0
         self.dropped_batches = 0
         self._thread = threading.Thread(target=self._loop, name="yatt-http-reporter", daemon=True)
@@ -185,11 +193,14 @@ class HttpReporter:
 
     def _spool_pending(self) -> None:
         # Every batch goes through the spool: the order on disk is the order of delivery.
-        with self._lock:
+        with self._lock:  # close() and the thread's last flush may both get here
             items, self._pending = self._pending, []
-        for route, body in self._batches(items):
-            self._seq += 1
-            path = self.spool_dir / f"{self._seq:012d}-{route}.json"
+            batches = self._batches(items)
+            first, self._seq = self._seq + 1, self._seq + len(batches)
+        for seq, (route, body) in enumerate(batches, start=first):
+            if route == "metrics":
+                body["batch_id"] = f"{self._batch_prefix}-{seq:012d}"
+            path = self.spool_dir / f"{seq:012d}-{route}.json"
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(body))
             tmp.replace(path)
@@ -220,9 +231,16 @@ class HttpReporter:
 
     def _drain_spool(self) -> bool:
         """Send spooled batches oldest first; stop at the first that cannot go yet."""
+        with self._drain_lock:
+            return self._drain_spool_locked()
+
+    def _drain_spool_locked(self) -> bool:
         for path in self._spool_files():
             route = path.stem.split("-", 1)[1]
-            body = json.loads(path.read_text())
+            try:
+                body = json.loads(path.read_text())
+            except FileNotFoundError:  # sent and removed meanwhile
+                continue
             outcome = self._send(route, body)
             if outcome == "retry":
                 return False
@@ -286,13 +304,28 @@ class MultiReporter:
             r.close(timeout_s)
 
 
+def run_token(env: dict[str, str]) -> str | None:
+    """The attempt's run token: YATT_RUN_TOKEN, or the file YATT_RUN_TOKEN_FILE names (how the
+    dispatcher hands it over, so that it never shows in Ray's job info)."""
+    if token := env.get("YATT_RUN_TOKEN", "").strip():
+        return token
+    if path := env.get("YATT_RUN_TOKEN_FILE"):
+        try:
+            return Path(path).read_text().strip() or None
+        except OSError as exc:
+            log.warning("cannot read the run token from %s: %s", path, exc)
+    return None
+
+
 def make_reporter(out_dir: str | Path, *, flush_interval_s: float = 1.0, max_batch: int = 2000,
                   env: dict[str, str] | None = None) -> MultiReporter:
-    """JSONL under out_dir always; HTTP too when YATT_API_URL, YATT_RUN_TOKEN and YATT_RUN_ID are set."""
+    """JSONL under out_dir always; HTTP too when YATT_API_URL, YATT_RUN_ID and a run token
+    (YATT_RUN_TOKEN or YATT_RUN_TOKEN_FILE) are set, spooling under spool/attempt-<YATT_ATTEMPT>."""
     env = dict(os.environ) if env is None else env
     reporters: list[Any] = [JsonlReporter(out_dir)]
-    api, token, run_id = env.get("YATT_API_URL"), env.get("YATT_RUN_TOKEN"), env.get("YATT_RUN_ID")
+    api, token, run_id = env.get("YATT_API_URL"), run_token(env), env.get("YATT_RUN_ID")
     if api and token and run_id:
-        reporters.append(HttpReporter(api, token, run_id, spool_dir=Path(out_dir) / "spool",
+        spool = Path(out_dir) / "spool" / f"attempt-{env.get('YATT_ATTEMPT') or 1}"
+        reporters.append(HttpReporter(api, token, run_id, spool_dir=spool,
                                       flush_interval_s=flush_interval_s, max_batch=max_batch))
     return MultiReporter(reporters)

@@ -1,0 +1,182 @@
+"""Metric ingest keeps one value per (run, key, step): retried batches, resumed attempts and
+late points neither double nor lose anything, and counts/min/max match what is stored."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from backend.metrics.models import MetricBlock, MetricPoint
+from backend.metrics.schemas import MetricPointIn
+from backend.metrics.service import ingest
+from backend.runs import service as runs
+from backend.runs.state import RunState
+from tests.conftest import DATABASES, LiveAPI
+
+
+def _run(api: LiveAPI) -> dict[str, Any]:
+    return api.client.create_run(experiment="integrity", config={}, max_attempts=3)
+
+
+def _points(steps: range, keys: tuple[str, ...], offset: float = 0.0) -> list[dict[str, Any]]:
+    return [{"key": k, "step": s, "value": s + offset + i, "time": 1.0e9 + s}
+            for s in steps for i, k in enumerate(keys)]
+
+
+def _stored(api: LiveAPI, run_id: int) -> list[tuple[str, int, float | None, int]]:
+    with api.database.read_session() as s:
+        return [
+            (k, step, v, a)
+            for k, step, v, a in s.execute(
+                select(MetricPoint.key, MetricPoint.step, MetricPoint.value, MetricPoint.attempt)
+                .where(MetricPoint.run_id == run_id).order_by(MetricPoint.key, MetricPoint.step)
+            )
+        ]
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_retried_batches_and_a_resume_leave_one_point_per_key_and_step(live_api: LiveAPI) -> None:
+    run = _run(live_api)
+    keys = ("reward/mean", "loss/policy")
+    with live_api.run_client(run["id"]) as first:
+        batch = _points(range(0, 20), keys)
+        for _ in range(3):  # the reporter timed out twice and resent the same batch
+            assert first.post_metrics(run["id"], batch, batch_id="a1-000000000001") == 40
+        raw = httpx.post(f"{live_api.url}/api/v1/runs/{run['id']}/metrics",
+                         headers={"Authorization": f"Bearer {first.token}"},
+                         json={"batch_id": "a1-000000000001", "points": batch})
+        assert raw.status_code == 200 and raw.headers["Idempotent-Replayed"] == "true"
+        first.post_metrics(run["id"], _points(range(20, 30), keys), batch_id="a1-000000000002")
+
+    # attempt 1 fails; attempt 2 resumes from the checkpoint at step 25 and repeats steps 25..29
+    with live_api.database.session() as s:
+        runs.transition(db_session=s, run_id=run["id"], to_state=RunState.failed, reason="node lost")
+    with live_api.run_client(run["id"]) as second:
+        second.post_metrics(run["id"], _points(range(25, 40), keys, offset=1000.0), batch_id="a2-000000000001")
+
+    stored = _stored(live_api, run["id"])
+    assert len(stored) == len({(k, s) for k, s, _, _ in stored}) == 2 * 40
+    by_step = {(k, s): (v, a) for k, s, v, a in stored}
+    assert by_step[("reward/mean", 24)] == (24.0, 1)
+    assert by_step[("reward/mean", 25)] == (1025.0, 2)  # the resumed attempt's value wins
+    assert by_step[("loss/policy", 29)] == (1030.0, 2)
+
+    summary = {m["key"]: m for m in live_api.client.metric_keys(run["id"])}
+    assert summary["reward/mean"]["count"] == 40
+    assert summary["reward/mean"]["min"] == 0.0
+    assert summary["reward/mean"]["max"] == 1039.0
+    assert summary["reward/mean"]["latest"] == 1039.0 and summary["reward/mean"]["latest_step"] == 39
+    series = live_api.client.metrics(run["id"], ["reward/mean"])["reward/mean"]
+    assert [p["step"] for p in series] == list(range(40))
+    assert [p["value"] for p in series[24:27]] == [24.0, 1025.0, 1026.0]
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_overwriting_the_extreme_recomputes_min_max_and_blocks(live_api: LiveAPI) -> None:
+    run = _run(live_api)
+    with live_api.run_client(run["id"]) as c:
+        c.post_metrics(run["id"], [{"key": "loss", "step": s, "value": 1.0} for s in range(100)])
+        c.post_metrics(run["id"], [{"key": "loss", "step": 50, "value": 99.0},
+                                   {"key": "loss", "step": 60, "value": -5.0}])
+        summary = c.metric_keys(run["id"])[0]
+        assert (summary["count"], summary["min"], summary["max"]) == (100, -5.0, 99.0)
+        # the spike is overwritten again (without a batch id): max falls back, count stays
+        c.post_metrics(run["id"], [{"key": "loss", "step": 50, "value": 1.0},
+                                   {"key": "loss", "step": 50, "value": 2.0}])  # last in batch wins
+        summary = c.metric_keys(run["id"])[0]
+        assert (summary["count"], summary["min"], summary["max"]) == (100, -5.0, 2.0)
+    with live_api.database.read_session() as s:
+        total = s.scalar(select(func.sum(MetricBlock.count)).where(MetricBlock.run_id == run["id"]))
+        block = s.get(MetricBlock, (run["id"], "loss", 50 // 64))
+        assert block is not None
+        extremes = (block.max_value, block.max_step, block.min_value, block.min_step)
+    assert total == 100
+    assert extremes == (2.0, 50, -5.0, 60)
+
+
+def test_a_spike_and_a_nan_survive_downsampling_a_million_points(live_api: LiveAPI) -> None:
+    """SQLite only (the read path is the same SQL on PostgreSQL, covered by the tests above;
+    seeding a million points there would double this test's minute)."""
+    run = _run(live_api)
+    n, spike, nan_step = 1_000_000, 612_345, 377_777
+    live_api.start_attempt(run["id"])
+    # seeded in bulk through the ingest service itself (no HTTP/JSON): 10 batches of 100,000
+    for start in range(0, n, 100_000):
+        points = []
+        for s in range(start, start + 100_000):
+            value = 250.0 if s == spike else math.nan if s == nan_step else 0.5 + 0.1 * math.sin(s / 5000)
+            points.append(MetricPointIn.model_construct(key="loss", step=s, value=value, time=1.0))
+        with live_api.database.session() as session:
+            ingest(db_session=session, run_id=run["id"], points=points)
+    series = live_api.client.metrics(run["id"], ["loss"], max_points=500)["loss"]
+    assert 100 < len(series) <= 500
+    steps = [p["step"] for p in series]
+    assert steps == sorted(steps) and steps[-1] == n - 1
+    assert {"step": spike, "value": 250.0, "time": 1.0} in series
+    assert any(p["step"] == nan_step and p["value"] is None for p in series)
+    low = min(p["value"] for p in series if p["value"] is not None)
+    assert low == pytest.approx(0.4, abs=1e-6)  # the troughs of the curve are kept too
+
+
+def test_idempotency_key_is_per_project_and_ignores_what_a_ci_retry_changes(live_api: LiveAPI) -> None:
+    body = {"experiment": "ci", "config": {"seed": 3},
+            "ci": {"provider": "gitlab", "commit": "3f2a9c1", "branch": "main",
+                   "pipeline_url": "https://ci/p/812", "job": "https://ci/jobs/1001"}}
+    headers = {"Idempotency-Key": "pipeline-812"}
+    with httpx.Client(base_url=live_api.url + "/api/v1", timeout=30,
+                      headers={"Authorization": f"Bearer {live_api.token}"}) as c:
+        first = c.post("/runs", json=body, headers=headers)
+        assert first.status_code == 201
+        retried_job = {**body, "ci": {**body["ci"], "job": "https://ci/jobs/1002", "run_attempt": "2"}}
+        again = c.post("/runs", json=retried_job, headers=headers)
+        assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+        assert again.headers["Idempotent-Replayed"] == "true"
+        other_commit = {**body, "ci": {**body["ci"], "commit": "9999999"}}
+        assert c.post("/runs", json=other_commit, headers=headers).status_code == 409
+        assert c.post("/runs", json={**body, "config": {"seed": 4}}, headers=headers).status_code == 409
+    other_project = live_api.client_for("write", project=f"{live_api.project}-b")
+    theirs = other_project.create_run(experiment="ci", config={"seed": 3}, ci=body["ci"],
+                                      idempotency_key="pipeline-812")
+    assert theirs["id"] != first.json()["id"] and theirs["project_id"] != first.json()["project_id"]
+    other_project.close()
+
+
+def test_migration_0005_folds_duplicates_and_recounts(tmp_path: Path) -> None:
+    from sqlalchemy import text
+
+    from backend.db import Database
+    from backend.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade(url, "0002")  # the append-only schema, with a retried batch stored twice
+    db = Database(url)
+    try:
+        with db.engine.begin() as conn:
+            conn.execute(text("INSERT INTO projects (id, name, description, created_at) VALUES (1, 'p', '', '2026-01-01')"))
+            conn.execute(text("INSERT INTO experiments (id, project_id, name, description, tags, created_at) "
+                              "VALUES (1, 1, 'e', '', '[]', '2026-01-01')"))
+            conn.execute(text(
+                "INSERT INTO runs (id, project_id, experiment_id, name, description, config, seed, state, attempt, "
+                "max_attempts, priority, launched_by, launched_by_name, created_at, updated_at) "
+                "VALUES (1, 1, 1, 'r', '', '{}', 0, 'running', 1, 1, 0, 'user', '', '2026-01-01', '2026-01-01')"))
+            rows = [{"s": s, "v": float(s), "t": 1.0} for s in range(100)]
+            rows += [{"s": 50, "v": 500.0, "t": 2.0}, {"s": 7, "v": -7.0, "t": 2.0}]  # resent, newer values
+            conn.execute(text("INSERT INTO metric_points (run_id, key, step, value, time) VALUES (1, 'loss', :s, :v, :t)"), rows)
+            conn.execute(text("INSERT INTO metric_summaries (run_id, key, latest, latest_step, latest_time, min, max, count) "
+                              "VALUES (1, 'loss', 99.0, 99, 1.0, -7.0, 500.0, 102)"))
+        upgrade(url)
+        with db.read_session() as s:
+            stored = dict(s.execute(select(MetricPoint.step, MetricPoint.value).where(MetricPoint.run_id == 1)).all())
+            summary = s.execute(text("SELECT count, min, max, latest FROM metric_summaries")).one()
+            blocks = s.execute(select(MetricBlock.block, MetricBlock.count, MetricBlock.max_step, MetricBlock.min_step)
+                               .order_by(MetricBlock.block)).all()
+    finally:
+        db.dispose()
+    assert len(stored) == 100 and stored[50] == 500.0 and stored[7] == -7.0  # the newest row of each step
+    assert tuple(summary) == (100, -7.0, 500.0, 99.0)
+    assert [tuple(b) for b in blocks] == [(0, 64, 50, 7), (1, 36, 99, 64)]
