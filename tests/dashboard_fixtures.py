@@ -29,6 +29,7 @@ class SeededApi:
     read_token: str
     runs: dict[str, int] = field(default_factory=dict)  # role in the seed -> run id
     run_tokens: dict[int, str] = field(default_factory=dict)  # run id -> its attempt's run token
+    mint_run_token: Callable[[int], str] | None = None  # a started run's attempt token, as the dispatcher mints it
 
 
 def step_metrics(step: int, t: float) -> list[dict[str, Any]]:
@@ -157,4 +158,4 @@ def seed_project(server: LiveServer, *, big: bool = True) -> SeededApi:
 
     with YattClient(server.url, admin, timeout=120) as c:
         ids = seed(c, run_token=run_token, big=big)
-    return SeededApi(server.url, admin, reader, ids, tokens)
+    return SeededApi(server.url, admin, reader, ids, tokens, run_token)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.parametrize("live_api", DATABASES, indirect=True)
 
 def post(api: LiveAPI, run_id: int, steps: range) -> None:
     for start in range(steps.start, steps.stop, 5000):
-        api.client.post_metrics(run_id, [{"key": "loss", "step": s, "value": s / 2, "time": 1.0}
+        api.seed_metrics(run_id, [{"key": "loss", "step": s, "value": s / 2, "time": 1.0}
                                          for s in range(start, min(steps.stop, start + 5000))])
 
 

@@ -44,14 +44,14 @@ def test_metric_sort_pages_through_ties_and_missing_values_without_duplicate_or_
     for i, value in enumerate(values):
         run = new_run(live_api, name=f"tie-{i}")
         ids.append(run["id"])
-        live_api.client.post_metrics(run["id"], [{"key": "other", "step": 1, "value": float(i)}])
+        live_api.seed_metrics(run["id"], [{"key": "other", "step": 1, "value": float(i)}])
         if value is not None:
             # a NaN latest is stored as NULL (sent as null): the run has no value to sort by
             sent = None if math.isnan(value) else value
-            live_api.client.post_metrics(run["id"], [{"key": "reward/mean", "step": 1, "value": sent}])
+            live_api.seed_metrics(run["id"], [{"key": "reward/mean", "step": 1, "value": sent}])
     # an older point arriving late does not replace the latest; a newer one does
-    live_api.client.post_metrics(ids[4], [{"key": "reward/mean", "step": 0, "value": 100.0}])
-    live_api.client.post_metrics(ids[9], [{"key": "reward/mean", "step": 2, "value": 0.7}])
+    live_api.seed_metrics(ids[4], [{"key": "reward/mean", "step": 0, "value": 100.0}])
+    live_api.seed_metrics(ids[9], [{"key": "reward/mean", "step": 2, "value": 0.7}])
     values[9] = 0.7
 
     present = [(v, rid) for v, rid in zip(values, ids, strict=True) if v is not None and not math.isnan(v)]
@@ -78,7 +78,7 @@ def test_metric_filters(live_api: LiveAPI) -> None:
         run = new_run(live_api)
         ids.append(run["id"])
         if value is not None:
-            live_api.client.post_metrics(run["id"], [{"key": "reward/mean", "step": i, "value": value},
+            live_api.seed_metrics(run["id"], [{"key": "reward/mean", "step": i, "value": value},
                                                      {"key": "kl", "step": i, "value": float(i)}])
     got = {r["id"] for r in live_api.client.iter_runs(where=["reward/mean>=0.6"])}
     assert got == {ids[1], ids[2]}
@@ -127,7 +127,7 @@ def test_list_is_slim_and_compare_returns_ten_runs_in_one_request(live_api: Live
     for i, run in enumerate(runs):
         points = [{"key": "reward/mean", "step": s, "value": i + s / 1000} for s in range(2_000)]
         points += [{"key": f"only-{i}", "step": 0, "value": 1.0}]
-        live_api.client.post_metrics(run["id"], points)
+        live_api.seed_metrics(run["id"], points)
     item = live_api.client.list_runs(limit=1)["items"][0]
     assert "config" not in item and "package_versions" not in item
     assert item["tags"] == ["cmp"] and item["experiment"] == "exp"

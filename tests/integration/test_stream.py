@@ -14,6 +14,8 @@ import pytest
 
 from backend.metrics.models import MetricPoint
 from backend.runs import service as run_service
+from backend.runs.models import Run
+from backend.runs.schemas import EventIn
 from backend.runs.stream import RowTail
 from tests.conftest import DATABASES, LiveAPI
 
@@ -68,10 +70,10 @@ def test_row_tail_sends_a_late_commit_below_the_newest_id() -> None:
 @pytest.mark.parametrize("live_api", DATABASES, indirect=True)
 def test_every_event_has_an_id_history_comes_first_and_resume_continues(live_api: LiveAPI) -> None:
     run = live_api.client.create_run(experiment="exp", config=CONFIG)
-    live_api.client.post_metrics(run["id"], points(0, 5))  # before anyone listens
+    live_api.seed_metrics(run["id"], points(0, 5))  # before anyone listens
     first = Listener(live_api, run["id"])
     first.wait(lambda: first.steps() == list(range(5)))
-    live_api.client.post_metrics(run["id"], points(5, 8))
+    live_api.seed_metrics(run["id"], points(5, 8))
     first.wait(lambda: first.steps() == list(range(8)))
     assert first.received[0][1] == "state" and first.received[0][2]["state"] == "queued"
     assert all(event_id for event_id, _, _ in first.received)
@@ -79,8 +81,10 @@ def test_every_event_has_an_id_history_comes_first_and_resume_continues(live_api
     finish(live_api, run["id"], "starting", "running")
     first.wait(lambda: any(d.get("state") == "running" for _, e, d in first.received if e == "state"))
 
-    live_api.client.post_metrics(run["id"], points(8, 12))
-    live_api.client.post_events(run["id"], [{"kind": "warning", "message": "after the break"}])
+    live_api.seed_metrics(run["id"], points(8, 12))
+    with live_api.database.session() as s:  # what the trainer's token would post
+        run_service.add_events(db_session=s, run=s.get(Run, run["id"]),
+                               events=[EventIn(kind="warning", message="after the break")])
     second = Listener(live_api, run["id"], last_event_id=resume_at)
     finish(live_api, run["id"], "succeeded")
     second.thread.join(20)
@@ -107,7 +111,7 @@ def test_stream_follows_a_run_across_its_retry(live_api: LiveAPI) -> None:
     with live_api.database.session() as s:
         run_service.retry(db_session=s, run_id=run["id"], reason="retry")
         s.commit()
-    live_api.client.post_metrics(run["id"], points(0, 3, key="attempt2/loss"))
+    live_api.seed_metrics(run["id"], points(0, 3, key="attempt2/loss"))
     finish(live_api, run["id"], "starting", "running", "succeeded")
     listener.thread.join(20)
     assert not listener.thread.is_alive()
@@ -136,7 +140,7 @@ def test_a_point_that_commits_after_a_higher_id_is_still_sent(live_api: LiveAPI)
     try:
         slow.add(MetricPoint(run_id=run["id"], key="loss", step=1, value=0.1, time=1.0))
         slow.flush()  # takes its id now, commits later
-        live_api.client.post_metrics(run["id"], points(2, 4))  # higher ids, committed first
+        live_api.seed_metrics(run["id"], points(2, 4))  # higher ids, committed first
         listener.wait(lambda: listener.steps() == [2, 3])
         slow.commit()
     finally:
