@@ -25,6 +25,11 @@ def http(api: LiveAPI, token: str | None = None) -> httpx.Client:
     )
 
 
+def trainer_http(api: LiveAPI, run_id: int) -> httpx.Client:
+    """The run's trainer: telemetry is written only with the token of its running attempt."""
+    return http(api, api.start_attempt(run_id))
+
+
 def fields(response: httpx.Response) -> list[str]:
     """The field paths a 422 points at, without the location: `name`, `tags.0`, `events.0.kind`."""
     return [".".join(str(p) for p in e["loc"][1:]) for e in response.json()["detail"]]
@@ -32,7 +37,7 @@ def fields(response: httpx.Response) -> list[str]:
 
 def test_ids_beyond_the_column_range_are_422_not_500(live_api: LiveAPI) -> None:
     run = live_api.client.create_run(experiment="exp", config=CONFIG)
-    with http(live_api) as c:
+    with http(live_api) as c, trainer_http(live_api, run["id"]) as t:
         for big in (2**31, 2**63, 2**70):
             for path in (f"/runs/{big}", f"/runs/{big}/metrics", f"/runs/{big}/events",
                          f"/runs/{big}/stream", f"/runs/{big}/logs", f"/experiments/{big}"):
@@ -43,9 +48,9 @@ def test_ids_beyond_the_column_range_are_422_not_500(live_api: LiveAPI) -> None:
         assert c.get(f"/runs/{2**31 - 1}").status_code == 404  # the largest id is a plain miss
         r = c.get(f"/runs/{run['id']}/events", params={"after_id": 2**64})
         assert r.status_code == 422 and fields(r) == ["after_id"]
-        r = c.post(f"/runs/{run['id']}/checkpoints", json={"step": 2**53, "path": "/ck"})
+        r = t.post(f"/runs/{run['id']}/checkpoints", json={"step": 2**53, "path": "/ck"})
         assert r.status_code == 422 and fields(r) == ["step"]
-        r = c.post(f"/runs/{run['id']}/metrics", json={"points": [{"key": "k", "step": 2**63, "value": 1}]})
+        r = t.post(f"/runs/{run['id']}/metrics", json={"points": [{"key": "k", "step": 2**63, "value": 1}]})
         assert r.status_code == 422 and "step" in r.text
     assert live_api.client.checkpoints(run["id"]) == []
     assert live_api.client.metric_keys(run["id"]) == []
@@ -73,12 +78,12 @@ def test_unstorable_text_is_422_naming_the_field(live_api: LiveAPI, path: str, b
 
 def test_unstorable_text_in_events_metrics_and_queries_is_422(live_api: LiveAPI) -> None:
     run = live_api.client.create_run(experiment="exp", config=CONFIG)
-    with http(live_api) as c:
-        r = c.post(f"/runs/{run['id']}/events", json={"events": [{"kind": "k\x00", "message": "m"}]})
+    with http(live_api) as c, trainer_http(live_api, run["id"]) as t:
+        r = t.post(f"/runs/{run['id']}/events", json={"events": [{"kind": "k\x00", "message": "m"}]})
         assert r.status_code == 422 and fields(r) == ["events.0.kind"]
-        r = c.post(f"/runs/{run['id']}/events", json={"events": [{"kind": "warning", "message": "m\x00"}]})
+        r = t.post(f"/runs/{run['id']}/events", json={"events": [{"kind": "warning", "message": "m\x00"}]})
         assert r.status_code == 422 and fields(r) == ["events.0.message"]
-        r = c.post(f"/runs/{run['id']}/metrics", json={"points": [{"key": "k\x00", "step": 1, "value": 1}]})
+        r = t.post(f"/runs/{run['id']}/metrics", json={"points": [{"key": "k\x00", "step": 1, "value": 1}]})
         assert r.status_code == 422 and "key" in r.text
         for params in ({"q": "a\x00"}, {"experiment": "\x00"}, {"tag": "\x00"}, {"sort": "-a\x00"},
                        {"cursor": "\x00"}, {"metrics": "a\x00"}):
@@ -86,9 +91,9 @@ def test_unstorable_text_in_events_metrics_and_queries_is_422(live_api: LiveAPI)
             assert r.status_code == 422 and fields(r)[0].split(".")[0] == next(iter(params)), (params, r.text)
         r = c.get(f"/runs/{run['id']}/metrics", params={"keys": "k\x00"})
         assert r.status_code == 422 and fields(r) == ["keys"]
-        r = c.post(f"/runs/{run['id']}/checkpoints", json={"step": 1, "path": "/ck\x00"})
+        r = t.post(f"/runs/{run['id']}/checkpoints", json={"step": 1, "path": "/ck\x00"})
         assert r.status_code == 422 and fields(r) == ["path"]
-    assert [e["kind"] for e in live_api.client.events(run["id"])] == ["state"]
+    assert {e["kind"] for e in live_api.client.events(run["id"])} == {"state"}  # nothing else stored
 
 
 def test_lengths_and_durations_match_the_columns(live_api: LiveAPI) -> None:
@@ -211,8 +216,8 @@ def test_metric_reads_are_bounded_and_the_csv_export_has_every_point(live_api: L
     pts = [{"key": "loss", "step": s, "value": float("nan") if s == 7 else s / 2, "time": 100.0 + s}
            for s in range(2500)]
     pts += [{"key": "acc", "step": s, "value": 1.0, "time": 1.0} for s in range(3)]
-    with http(live_api) as c:
-        r = c.post(f"/runs/{run['id']}/metrics",
+    with http(live_api) as c, trainer_http(live_api, run["id"]) as t:
+        r = t.post(f"/runs/{run['id']}/metrics",
                    content=json.dumps({"points": pts}), headers={"Content-Type": "application/json"})
         assert r.status_code == 200, r.text
         series = c.get(f"/runs/{run['id']}/metrics").json()["series"]  # no max_points: 1,000
@@ -238,14 +243,14 @@ def test_csv_export_pages_through_a_series_longer_than_a_page(live_api: LiveAPI,
 
     monkeypatch.setattr(export, "PAGE", 100)  # the server runs in this process: pages of 100
     run = live_api.client.create_run(experiment="exp", config=CONFIG)
-    live_api.client.post_metrics(run["id"], [{"key": "loss", "step": s, "value": 1.0} for s in range(1050)])
+    live_api.seed_metrics(run["id"], [{"key": "loss", "step": s, "value": 1.0} for s in range(1050)])
     rows = b"".join(live_api.client.metrics_csv(run["id"])).decode().splitlines()
     assert [int(r.split(",")[1]) for r in rows[1:]] == list(range(1050))
 
 
 def test_unstorable_text_inside_free_form_json_is_422(live_api: LiveAPI) -> None:
     run = live_api.client.create_run(experiment="exp", config=CONFIG)
-    with http(live_api) as c:
+    with http(live_api) as c, trainer_http(live_api, run["id"]) as t:
         bodies = [
             (f"/runs/{run['id']}/events", {"events": [{"kind": "warning", "data": {"a\x00": "b\x00\ud800"}}]}),
             (f"/runs/{run['id']}/checkpoints", {"step": 1, "path": "/ck", "metrics": {"x": "\x00"}}),
@@ -254,7 +259,8 @@ def test_unstorable_text_inside_free_form_json_is_422(live_api: LiveAPI) -> None
             ("/runs/validate", {"config": {"model": {"path": "\x00"}}}),
         ]
         for path, body in bodies:
-            r = c.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+            poster = t if path.startswith(f"/runs/{run['id']}/") else c  # telemetry: the trainer's token
+            r = poster.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
             assert r.status_code == 422 and "cannot be stored" in r.text, (path, r.status_code, r.text)
         assert c.get(f"/runs/{run['id']}/events").status_code == 200
         assert c.get(f"/runs/{run['id']}/checkpoints").status_code == 200

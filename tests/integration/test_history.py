@@ -141,7 +141,7 @@ def test_list_is_slim_and_compare_returns_ten_runs_in_one_request(live_api: Live
         assert c["config"]["seed"] == 3
         assert c["keys"] == sorted(["reward/mean", f"only-{i}"])
         points = c["series"]["reward/mean"]
-        assert 90 <= len(points) <= 100 and points[0]["step"] == 0 and points[-1]["step"] == 1_999
+        assert 50 <= len(points) <= 100 and points[0]["step"] == 0 and points[-1]["step"] == 1_999
         assert points[-1]["value"] == i + 1.999
         assert ("only-3" in c["series"]) == (i == 3)
         # the same points the run page's own series request returns
@@ -149,7 +149,7 @@ def test_list_is_slim_and_compare_returns_ten_runs_in_one_request(live_api: Live
     # series far longer than max_points: the same sampling
     (long,) = live_api.client.compare([ids[0]], ["reward/mean"], max_points=10)
     assert long["series"]["reward/mean"] == live_api.client.metrics(ids[0], ["reward/mean"], max_points=10)["reward/mean"]
-    assert len(long["series"]["reward/mean"]) == 10
+    assert 2 <= len(long["series"]["reward/mean"]) <= 10  # first/min/max per bucket, and the last point
     with http(live_api) as c:
         too_many = c.get("/runs/compare", params={"runs": ",".join(str(i) for i in range(1, 22))})
         assert too_many.status_code == 422 and "20" in too_many.text
