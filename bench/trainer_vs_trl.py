@@ -63,7 +63,7 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] > 0]
     return {
-        "steps": [{"step": r["step"], "time": r["time/step"], "samples": r["throughput/samples_per_s"] * r["time/step"],
+        "steps": [{"step": r["step"], "time": r["time/step"], "samples": PROMPTS * N,  # dynamic sampling is off
                    "gen_tokens": r["tokens/generated"], "reward": r.get("reward/mean", 0.0),
                    "phases": {k: r.get(f"time/{k}", 0.0) for k in
                               ("rollout", "reward", "reference", "train", "weight_sync", "idle")},
@@ -257,6 +257,7 @@ def main() -> None:
     ap.add_argument("--cases", default="yatt-colocate,yatt-disaggregated,trl,trl-1t,trl-vllm,limit")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    ap.add_argument("--report-from", type=Path, help="re-render the report from a run's JSON folder")
     a = ap.parse_args()
     if a.child:
         kind = a.child
@@ -284,14 +285,21 @@ def main() -> None:
              "(shared machine: compare within one run only).", "",
              "Command: `PYTHONPATH=. .venv/bin/python bench/trainer_vs_trl.py`", ""]
     ratio = None
-    tmp = Path(tempfile.mkdtemp(prefix="vs-trl-"))
+    tmp = a.report_from or Path(tempfile.mkdtemp(prefix="vs-trl-"))
+    print(f"case results in {tmp}", flush=True)
     for tokens in [int(t) for t in a.workloads.split(",")]:
         steps = a.steps or (5 if tokens <= 64 else 3)
         name = "short" if tokens <= 64 else "generation-heavy"
         print(f"== {name}: {PROMPTS} prompts x {N} samples x {tokens} new tokens, {steps} steps", flush=True)
         results: dict[str, dict] = {}
         for case in cases:
-            res = run_child(case, tokens, steps, tmp / f"{case}-{tokens}.json", a.timeout)
+            out = tmp / f"{case}-{tokens}.json"
+            if a.report_from:
+                res = json.loads(out.read_text()) if out.exists() else {"error": "not run"}
+            else:
+                res = run_child(case, tokens, steps, out, a.timeout)
+                if "error" in res:  # keep the failure for a re-rendered report
+                    out.write_text(json.dumps(res))
             results[case] = res
             print(f"   {case}: {'error: ' + res['error'] if 'error' in res else 'done'} "
                   f"({res.get('wall_s', 0):.0f}s)", flush=True)

@@ -199,3 +199,57 @@ def test_checkpoints_keep_the_cuda_rng_where_cuda_exists(monkeypatch):
     assert restored == [saved]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "cuda" not in ckpt.rng_state()
+
+
+def test_the_learner_lifts_held_out_accuracy(tmp_path):
+    """Its own RL step, nothing else: a short SFT leaves a nano model mostly wrong on 2-digit
+    addition, then 40 GRPO steps (HF sampler, weights synced after each) lift greedy accuracy on
+    100 held-out problems. Measured: 15% -> 36%; the bar is +10 points."""
+    import random
+
+    from trainer.data import load_task, sft_target
+    from trainer.learner import Learner, RLBatch
+    from trainer.rewards import exact_match
+    from trainer.rollout import make_engine
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = parse_config({
+        "model": {"path": str(tmp_path / "nano"), "preset": "nano"},
+        "data": {"arithmetic": {"digits": 2, "eval_size": 100}},
+        "algorithm": {"name": "grpo", "kl_coef": 0.0},
+        "train": {"lr": 1e-4},
+        "rollout": {"engine": "hf", "n": 8, "max_new_tokens": 4, "temperature": 1.0},
+        "placement": {"device_type": "cpu"},
+        "eval": {"size": 100},
+    })
+    model_dir = ensure_model(cfg)
+    learner = Learner(cfg, model_dir)
+    train, held_out = load_task(cfg)
+
+    def accuracy() -> float:
+        texts = learner.greedy([e.prompt for e in held_out], 4)
+        return sum(exact_match([e.prompt for e in held_out], texts, [e.answer for e in held_out])) / len(held_out)
+
+    rng = random.Random(0)
+    sft_opt = torch.optim.AdamW(learner.policy.parameters(), lr=1e-3)
+    for _ in range(800):
+        b = rng.sample(train, 64)
+        learner.sft_step([e.prompt for e in b], [sft_target(e) for e in b], sft_opt)
+    engine = make_engine(cfg, model_dir, threads=1)
+    engine.update_weights(learner.named_weights().items())
+    before = accuracy()
+    assert before < 0.5, "the warm start already solves the task: nothing left to show"
+    for _ in range(40):
+        prompts = rng.sample(train, 16)
+        samples = engine.generate([e.prompt for e in prompts], 8)
+        rewards = exact_match([s.prompt for s in samples], [s.response_text for s in samples],
+                              [e.answer for e in prompts for _ in range(8)])
+        learner.rl_step(RLBatch(
+            prompt_ids=[s.prompt_ids for s in samples],
+            response_ids=[s.response_ids or [learner.eos_id] for s in samples],
+            scores=rewards, n=8, truncated=[s.finish_reason == "length" for s in samples],
+            sample_logprobs=[s.logprobs for s in samples]))
+        engine.update_weights(learner.named_weights().items())
+    after = accuracy()
+    assert after >= before + 0.10, f"held-out accuracy {before:.2f} -> {after:.2f}"
