@@ -328,14 +328,17 @@ def main() -> None:
                 if case in sums:
                     rows.append(f"- {case}: median step {sums[case]['median_step']:.2f} s = "
                                 f"{sums[case]['median_step'] / bound:.2f}× the limit ({what} {bound:.2f} s); "
-                                f"goal ≤ 1.15×")
+                                f"goal ≤ 1.15×: "
+                                f"{'met' if sums[case]['median_step'] <= 1.15 * bound else 'NOT met'}")
         elif lim:
             rows += ["", f"Limit: did not run: {lim.get('error')}"]
         yatt = [sums[c]["samples_s"] for c in sums if c.startswith("yatt")]
         trl = [sums[c]["samples_s"] for c in sums if c.startswith("trl")]
         if yatt and trl:
             r = max(yatt) / max(trl)
-            rows += ["", f"yatt best / faster TRL (samples/s): **{r:.2f}×**"]
+            goal = 2.0 if tokens > 64 else 1.0
+            verdict = "met" if r >= goal else f"NOT met: {goal / r:.2f}× short"
+            rows += ["", f"yatt best / faster TRL (samples/s): **{r:.2f}×** (goal ≥ {goal:.1f}×: {verdict})"]
             if tokens > 64:
                 ratio = r
         png = ROOT / "docs" / f"trainer_vs_trl_{tokens}.png"
