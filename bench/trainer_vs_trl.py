@@ -258,6 +258,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     ap.add_argument("--report-from", type=Path, help="re-render the report from a run's JSON folder")
+    ap.add_argument("--note", default="", help="a paragraph added to the report (how it was run)")
     a = ap.parse_args()
     if a.child:
         kind = a.child
@@ -284,6 +285,10 @@ def main() -> None:
              f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the start "
              "(shared machine: compare within one run only).", "",
              "Command: `PYTHONPATH=. .venv/bin/python bench/trainer_vs_trl.py`", ""]
+    if a.report_from:
+        lines[0] = "Re-rendered from saved case results (`--report-from`); " + lines[0]
+    if a.note:
+        lines += [a.note, ""]
     ratio = None
     tmp = a.report_from or Path(tempfile.mkdtemp(prefix="vs-trl-"))
     print(f"case results in {tmp}", flush=True)

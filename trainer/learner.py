@@ -193,7 +193,8 @@ class Learner:
         return ids.to(self.device), attn.to(self.device), index.to(self.device), mask.to(self.device)
 
     def _logprobs(self, model: nn.Module, ids: Tensor, attn: Tensor, index: Tensor, *,
-                  entropy: bool = False, temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
+                  entropy: bool = False, temperature: float = 1.0, response_only: bool = True
+                  ) -> tuple[Tensor, Tensor | None]:
         """Response-aligned log-probs ``[B, T]`` (and entropies) of ``model`` on the batch.
 
         ``temperature`` divides the logits, so the log-probs are those of the distribution the
@@ -201,7 +202,7 @@ class Learner:
         at a time (never a full fp32 ``[B, L, V]``): the LM head runs on gathered hidden states.
         """
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if head is None or not hasattr(model, "get_decoder") or _scales_logits(model):
+        if not response_only or head is None or not hasattr(model, "get_decoder") or _scales_logits(model):
             logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
             if temperature > 0 and temperature != 1.0:
                 logits = logits / temperature
@@ -266,7 +267,9 @@ class Learner:
         r_ids = [tok(t, add_special_tokens=False)["input_ids"] + [self.eos_id] for t in targets]
         ids, attn, index, mask = self._layout(p_ids, r_ids)
         optimizer.zero_grad(set_to_none=True)
-        lp, _ = self._logprobs(self.policy, ids, attn, index)
+        # the full forward, as before: the SFT warm start keeps its numerics (its accuracy jump
+        # after a fixed number of steps is sensitive to them; see bench/learn_check.py)
+        lp, _ = self._logprobs(self.policy, ids, attn, index, response_only=False)
         loss = -A.masked_mean(lp, mask)  # token-mean cross entropy on the completion
         loss.backward()
         params = [p for p in self.policy.parameters() if p.requires_grad]
