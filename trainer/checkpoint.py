@@ -63,14 +63,20 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
+    """Every random generator a step draws from: Python, NumPy, torch CPU and (if any) CUDA."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_shared(path: Path, *, policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any,

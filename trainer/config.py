@@ -88,6 +88,10 @@ class AlgorithmConfig(_Group):
     lam: float = Field(0.95, ge=0, le=1)
     critic_lr: float = Field(1e-4, gt=0)
     overlong_penalty: float = Field(0.0, ge=0, description="DAPO soft overlong penalty weight.")
+    tis_cap: float = Field(
+        2.0, ge=0, description="Truncated importance sampling: each token's loss is weighted by "
+        "min(pi_trainer / pi_sampler, tis_cap), correcting stale samples and sampler/trainer "
+        "mismatch; 0 leaves the ratio untruncated.")
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
 
 

@@ -185,6 +185,7 @@ class ControllerLoop:
         self.state: dict[str, Any] = {"step": 0, "eval": {}, "warm_start_done": False}
 
         resume = ckpt.latest_checkpoint(self.run_dir)
+        mine = None
         model_dir = str(resume / "policy") if resume else self.model_dir
         device = "cuda" if self.device_type == "gpu" else "cpu"
         self.learner = Learner(cfg, model_dir, device=device, dist_group=self.group)
@@ -197,7 +198,6 @@ class ControllerLoop:
             if mine is not None:
                 self.stream.position = mine["position"]
                 self.sampler.load_state_dict(mine["sampling"])
-                ckpt.set_rng_state(mine["rng"])
             self._event("restart" if self.rank == 0 else "resume",
                         f"resumed from checkpoint at step {self.state['step']}",
                         {"resume_step": self.state["step"], "path": str(resume), "rank": self.rank})
@@ -206,6 +206,8 @@ class ControllerLoop:
             from trainer.rollout import make_engine
 
             self.engine = make_engine(cfg, model_dir, threads=threads, seed=cfg.seed + 101 * self.device)
+        if resume is not None and mine is not None:
+            ckpt.set_rng_state(mine["rng"])  # last: building an engine reseeds torch
 
     # ------------------------------------------------------------------ sampling
     def _submit(self, examples: list[Any], n: int) -> _Pending:
@@ -227,14 +229,14 @@ class ControllerLoop:
         import ray
 
         groups: list[Group] = []
-        samples_by_share: list[tuple[list[Any], list[Any]]] = []
+        samples_by_share: list[tuple[list[Any], list[Any], int]] = []
         if pending.local:
             assert self.engine is not None
             with self.recorder.span("rollout"):
                 if hasattr(self.engine, "wake"):
                     self.engine.wake()
                 samples_by_share.append((pending.local,
-                                         self.engine.generate([e.prompt for e in pending.local], n)))
+                                         self.engine.generate([e.prompt for e in pending.local], n), 0))
         for ref, share in zip(pending.refs, pending.shares, strict=True):
             if ref is None:
                 continue
@@ -243,9 +245,11 @@ class ControllerLoop:
             self.recorder.add("rollout_wait", t, time.time())
             self._remote_spans.extend(out["spans"])
             self._device_metrics.update(out["device_metrics"])
-            self._staleness = max(getattr(self, "_staleness", 0), self.state["step"] - pending.version)
-            samples_by_share.append((share, out["samples"]))
-        for share, samples in samples_by_share:
+            # versions between the weights that sampled it and the policy it will train
+            lag = max(0, self.state["step"] - out["version"]) if out["version"] >= 0 else 0
+            self._staleness = max(getattr(self, "_staleness", 0), lag)
+            samples_by_share.append((share, out["samples"], lag))
+        for share, samples, lag in samples_by_share:
             if len(samples) != len(share) * n:
                 raise RuntimeError(f"sampler returned {len(samples)} samples for "
                                    f"{len(share)} prompts × n={n}")
@@ -260,7 +264,8 @@ class ControllerLoop:
                     self._reward_failures += 1
                     continue
             for i, e in enumerate(share):
-                groups.append(Group(e, samples[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n]))
+                groups.append(Group(e, samples[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n],
+                                    {"staleness": lag}))
         return groups
 
     def _draw(self, k: int) -> list[Group]:
@@ -355,7 +360,9 @@ class ControllerLoop:
                                  critic_opt=lr.critic_opt, reference=lr.reference)
             if self.group is not None:
                 self.group.barrier()  # rank 0 created the directory
-            ckpt.save_rank(path, self.rank, {"position": self.stream.position,
+            # prompts prefetched for later steps are not trained yet: a resume takes them again
+            untrained = sum(len(p.prompts) for p in getattr(self, "_prefetch", ()))
+            ckpt.save_rank(path, self.rank, {"position": self.stream.position - untrained,
                                              "sampling": self.sampler.state_dict(),
                                              "rng": ckpt.rng_state()})
             if self.group is not None:
@@ -387,6 +394,7 @@ class ControllerLoop:
         need = cfg.train.batch_size // self.world
         n = cfg.rollout.n
         prefetch: deque[_Pending] = deque()
+        self._prefetch = prefetch
         overlap = bool(self.rollout_workers) and self.engine is None and cfg.placement.staleness > 0
         self._staleness = 0
         for step in range(self.state["step"] + 1, cfg.train.max_steps + 1):
@@ -422,7 +430,9 @@ class ControllerLoop:
                 batch = RLBatch(prompt_ids=[list(s.prompt_ids) for s in samples],
                                 response_ids=[list(s.response_ids) or [self.learner.eos_id] for s in samples],
                                 scores=rewards, n=n,
-                                truncated=[s.finish_reason == "length" for s in samples])
+                                truncated=[s.finish_reason == "length" for s in samples],
+                                sample_logprobs=[list(s.logprobs) for s in samples],
+                                staleness=[g.extra.get("staleness", 0) for g in groups for _ in g.samples])
                 if self.engine is not None and hasattr(self.engine, "sleep"):
                     self.engine.sleep()  # colocated: free the KV cache while the policy trains
                 with self.recorder.span("train"):

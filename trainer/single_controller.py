@@ -442,7 +442,10 @@ class SingleControllerDriver(Driver):
                         prompt_ids=[list(s.prompt_ids) for s in samples],
                         response_ids=[list(s.response_ids) or [self._eos_id] for s in samples],
                         scores=[r for g in share for r in g.rewards], n=n,
-                        truncated=[s.finish_reason == "length" for s in samples])))
+                        truncated=[s.finish_reason == "length" for s in samples],
+                        # the behaviour policy, as the parallel controllers train on it
+                        sample_logprobs=[list(s.logprobs) for s in samples],
+                        staleness=[g.extra.get("staleness", 0) for g in share for _ in g.samples])))
                 train_results = self._call_all("train", payloads)
                 drawn_samples = [s for g in self._drawn for s in g.samples]
                 rewards_all = [r for g in self._drawn for r in g.rewards]
@@ -506,7 +509,8 @@ class SingleControllerDriver(Driver):
 
         n = self.cfg.rollout.n
         groups = []
-        self._log.staleness = max(self._log.staleness, step - 1 - draw.version)
+        lag = max(0, step - 1 - draw.version)  # versions between the sampling and the trained policy
+        self._log.staleness = max(self._log.staleness, lag)
         for mine in draw.refs:
             for share, ref in mine:
                 out = self._receive(ref)
@@ -528,7 +532,8 @@ class SingleControllerDriver(Driver):
                 finally:
                     self._log.reward_time += time.time() - t
                 for i, e in enumerate(share):
-                    groups.append(Group(e, samples[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n]))
+                    groups.append(Group(e, samples[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n],
+                                        {"staleness": lag}))
         return groups
 
     def _draw(self, k: int, *, step: int) -> list[Any]:

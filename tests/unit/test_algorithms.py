@@ -145,6 +145,20 @@ def test_policy_loss_gradient_vanishes_on_clipped_tokens():
     close(logprobs.grad, [[0.0, 0.0, -2.0 / 6, 1.1 / 6], [-3.0 / 6, -3.0 / 6, 0.0, 0.0]])
 
 
+def test_policy_loss_weights_tokens_by_truncated_importance_ratio():
+    logprobs, old, adv, mask = _policy_inputs()
+    # behaviour (sampler) log-probs: token 0 twice as likely under the proximal policy, token 2
+    # 5x (truncated to 2 by the caller's cap), the rest equal
+    is_w = t([[2.0, 1.0, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    loss, clip_frac = policy_loss(logprobs, old, adv, mask, 0.2, 0.2, "token_mean", is_weights=is_w)
+    close(loss, (2 * -1.2 + 0.8 + 2 * -2.0 + 1.1 - 3.0 - 3.0) / 6)
+    close(clip_frac, 2 / 6)  # the weights scale terms, they do not change which one is used
+    logprobs.requires_grad_(True)
+    loss, _ = policy_loss(logprobs, old, adv, mask, 0.2, 0.2, is_weights=is_w)
+    loss.backward()
+    close(logprobs.grad, [[0.0, 0.0, 2 * -2.0 / 6, 1.1 / 6], [-3.0 / 6, -3.0 / 6, 0.0, 0.0]])
+
+
 def test_policy_loss_broadcasts_sequence_advantages():
     logprobs = t([[0.0, 0.0]])
     loss, clip_frac = policy_loss(logprobs, logprobs, t([2.0]), t([[1, 1]]))

@@ -166,11 +166,14 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     agg: Literal["token_mean", "seq_mean"] = "token_mean",
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate, with separate low/high clip (``clip_high > clip_low``: DAPO clip-higher).
 
-    ``advantages`` is ``[B, T]`` or ``[B]`` (broadcast over tokens). Returns ``(loss, clip_frac)``,
-    ``clip_frac`` being the fraction of tokens whose clipped term is the one used.
+    ``advantages`` is ``[B, T]`` or ``[B]`` (broadcast over tokens). ``is_weights`` (``[B, T]``,
+    no gradient) scale each token's term: the truncated importance ratio of the proximal policy
+    over the sampler's. Returns ``(loss, clip_frac)``, ``clip_frac`` being the fraction of tokens
+    whose clipped term is the one used.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
@@ -178,6 +181,8 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
     clip_frac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask).detach()
     return aggregate(per_token, mask, agg), clip_frac
 

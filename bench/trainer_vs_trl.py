@@ -1,0 +1,375 @@
+"""yatt against TRL's GRPOTrainer on the same work, and against the limit of this machine.
+
+    PYTHONPATH=. .venv/bin/python bench/trainer_vs_trl.py            # needs `pip install -e .[bench]`
+
+Same `small` tiny model (built with `yatt make-tiny-model --preset small`), same 2-digit addition
+prompts, 4 prompts x 8 samples per step, lr 1e-4, KL 0.04, no warm start; two workloads: 32 new
+tokens ("short") and 256 ("generation-heavy"). Cases, each in its own process, one after the
+other in this one run: yatt colocate and disaggregated on 2 devices (`yatt train`), TRL
+GRPOTrainer default (HF generate) and TRL's vLLM colocate mode (recorded if it fails), and the
+limit: each phase alone at its best on all cores (vLLM generating the step's samples; the
+reference pass; one training pass), whose sum bounds a colocated step and whose max a
+disaggregated one. Prints samples/s, generated tokens/s, median step and phase split per case,
+writes a reward-curve PNG per workload and its section of docs/benchmarks.md; the last line is
+`ratio: X` = yatt's best samples/s over the faster TRL setting on the generation-heavy workload.
+Steps per case are few (shared CPUs): medians skip each case's first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / ".yatt" / "models" / "bench-small"
+PROMPTS, N, LR, KL = 4, 8, 1e-4, 0.04
+SECTION = "trainer_vs_trl"
+
+
+def yatt_config(tokens: int, steps: int, mode: str) -> dict:
+    return {
+        "model": {"path": str(MODEL), "preset": "small"},
+        "data": {"task": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+"]}},
+        "algorithm": {"name": "grpo", "kl_coef": KL},
+        "train": {"max_steps": steps, "lr": LR, "batch_size": PROMPTS, "micro_batch_size": 64},
+        "rollout": {"engine": "vllm", "n": N, "max_new_tokens": tokens, "temperature": 1.0},
+        "placement": {"mode": mode, "devices": 2, "device_type": "cpu"},
+        "checkpoint": {"every_steps": 10_000, "export_final": False},
+        "eval": {"size": 8},
+        "seed": 0,
+    }
+
+
+# ----------------------------------------------------------------------------- cases (children)
+def case_yatt(mode: str, tokens: int, steps: int) -> dict:
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
+        cfg_path = Path(tmp) / "cfg.yaml"
+        cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode)))
+        run_dir = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "backend.cli", "train", str(cfg_path), "--out", str(run_dir)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"yatt train failed: {proc.stderr[-2000:]}")
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] > 0]
+    return {
+        "steps": [{"step": r["step"], "time": r["time/step"], "samples": PROMPTS * N,  # dynamic sampling is off
+                   "gen_tokens": r["tokens/generated"], "reward": r.get("reward/mean", 0.0),
+                   "phases": {k: r.get(f"time/{k}", 0.0) for k in
+                              ("rollout", "reward", "reference", "train", "weight_sync", "idle")},
+                   "logprob_diff": r.get("rollout/logprob_diff")}
+                  for r in rows],
+    }
+
+
+def case_trl(tokens: int, steps: int, vllm: bool, threads: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.config import parse_config
+    from trainer.data import load_task
+    from trainer.rewards import exact_match
+
+    torch.set_num_threads(threads)
+    train, _ = load_task(parse_config(yatt_config(tokens, steps, "colocate")))
+    data = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in train[:2000]])
+
+    def reward(prompts, completions, answer, **_kw):
+        return exact_match(prompts, completions, answer)
+
+    out = tempfile.mkdtemp(prefix="trl-bench-")
+    args = GRPOConfig(
+        output_dir=out, max_steps=steps, learning_rate=LR, beta=KL, num_generations=N,
+        per_device_train_batch_size=PROMPTS * N, gradient_accumulation_steps=1,
+        max_completion_length=tokens, temperature=1.0, logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, bf16=False, seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, use_vllm=vllm,
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if vllm else {}),
+    )
+    phases: dict[str, list[float]] = {"rollout": [], "prepare": []}
+    steps_out: list[dict] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            steps_out.append({"step": state.global_step, "time": time.perf_counter() - self.t0})
+
+    trainer = GRPOTrainer(model=str(MODEL), reward_funcs=reward, args=args, train_dataset=data)
+    trainer.add_callback(Timer())
+    gen, prep = trainer._generate, trainer._generate_and_score_completions
+
+    def timed_gen(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return gen(*a, **kw)
+        finally:
+            phases["rollout"].append(time.perf_counter() - t)
+
+    def timed_prep(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return prep(*a, **kw)
+        finally:
+            phases["prepare"].append(time.perf_counter() - t)
+
+    trainer._generate, trainer._generate_and_score_completions = timed_gen, timed_prep
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    for i, s in enumerate(steps_out):
+        log = logs[i] if i < len(logs) else {}
+        roll = phases["rollout"][i] if i < len(phases["rollout"]) else 0.0
+        prep_t = phases["prepare"][i] if i < len(phases["prepare"]) else 0.0
+        s["samples"] = PROMPTS * N
+        s["gen_tokens"] = log.get("completions/mean_length", 0.0) * PROMPTS * N
+        s["reward"] = log.get("reward", 0.0)
+        s["phases"] = {"rollout": roll, "reward+reference": max(0.0, prep_t - roll),
+                       "train": max(0.0, s["time"] - prep_t)}
+    return {"steps": steps_out}
+
+
+def case_limit(tokens: int) -> dict:
+    """Each phase alone on all cores, at the step's size: vLLM generation, reference, training."""
+    import torch
+
+    from trainer.config import parse_config
+    from trainer.data import load_task
+    from trainer.learner import Learner
+    from trainer.rollout.vllm_engine import VLLMEngine
+
+    cores = os.cpu_count() or 2
+    cfg = parse_config(yatt_config(tokens, 1, "colocate"))
+    train, _ = load_task(cfg)
+    prompts = [e.prompt for e in train[:PROMPTS]]
+    engine = VLLMEngine(MODEL, cfg, threads=cores)
+    engine.generate(prompts, N)  # warm-up
+    gen_times, samples = [], []
+    for _ in range(2):
+        t = time.perf_counter()
+        samples = engine.generate(prompts, N)
+        gen_times.append(time.perf_counter() - t)
+    engine.close()
+    gen_tokens = sum(len(s.response_ids) for s in samples)
+    torch.set_num_threads(cores)
+    learner = Learner(cfg, MODEL)
+    ids, attn, index, mask = learner._layout([s.prompt_ids for s in samples],
+                                             [s.response_ids or [learner.eos_id] for s in samples])
+    assert learner.reference is not None
+    ref_times, train_times = [], []
+    for _ in range(2):
+        t = time.perf_counter()
+        with torch.no_grad():
+            learner._logprobs(learner.reference, ids, attn, index)
+        ref_times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        learner.optimizer.zero_grad(set_to_none=True)
+        lp, _ = learner._logprobs(learner.policy, ids, attn, index)
+        (-(lp * mask).sum() / mask.sum()).backward()
+        torch.nn.utils.clip_grad_norm_(learner.policy.parameters(), 1.0)
+        learner.optimizer.step()
+        train_times.append(time.perf_counter() - t)
+    return {"generation": min(gen_times), "reference": min(ref_times), "train": min(train_times),
+            "gen_tokens": gen_tokens}
+
+
+def run_child(case: str, tokens: int, steps: int, out: Path, timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cmd = [sys.executable, __file__, "--child", case, "--tokens", str(tokens), "--steps", str(steps),
+           "--json", str(out)]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    if proc.returncode != 0 or not out.exists():
+        tail = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()][-1:]
+        return {"error": (tail[0] if tail else f"exit {proc.returncode}")[:300]}
+    data = json.loads(out.read_text())
+    data["wall_s"] = time.time() - t0
+    return data
+
+
+# ----------------------------------------------------------------------------- report (parent)
+def summarize(res: dict) -> dict | None:
+    steps = res.get("steps")
+    if not steps:
+        return None
+    timed = steps[1:] or steps  # the first step pays for warm-up
+    med = statistics.median(s["time"] for s in timed)
+    total_t = sum(s["time"] for s in timed)
+    phases = {k: statistics.median(s["phases"].get(k, 0.0) for s in timed) for k in timed[0]["phases"]}
+    return {"median_step": med, "samples_s": sum(s["samples"] for s in timed) / total_t,
+            "gen_tok_s": sum(s["gen_tokens"] for s in timed) / total_t, "phases": phases,
+            "rewards": [s["reward"] for s in steps]}
+
+
+def plot(curves: dict[str, list[float]], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_section(text: str) -> None:
+    doc = ROOT / "docs" / "benchmarks.md"
+    begin, end = f"<!-- {SECTION}:begin -->", f"<!-- {SECTION}:end -->"
+    body = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    if begin in body and end in body:
+        body = body[: body.index(begin)] + block + body[body.index(end) + len(end):]
+    else:
+        body = body.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(body)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", type=int, default=32, help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=None, help="steps per case (default 6 short, 3 long)")
+    ap.add_argument("--workloads", default="32,256", help="new tokens per sample, comma-separated")
+    ap.add_argument("--cases", default="yatt-colocate,yatt-disaggregated,trl,trl-1t,trl-vllm,limit")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per case")
+    ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    ap.add_argument("--report-from", type=Path, help="re-render the report from a run's JSON folder")
+    ap.add_argument("--note", default="", help="a paragraph added to the report (how it was run)")
+    a = ap.parse_args()
+    if a.child:
+        kind = a.child
+        if kind.startswith("yatt-"):
+            res = case_yatt(kind.removeprefix("yatt-"), a.tokens, a.steps)
+        elif kind.startswith("trl"):
+            # trl: torch's default threads (all cores); trl-1t: one thread, which on a loaded
+            # machine avoids OpenMP threads spin-waiting on each other (the faster one counts)
+            threads = 1 if kind == "trl-1t" else (os.cpu_count() or 2)
+            res = case_trl(a.tokens, a.steps, vllm=kind == "trl-vllm", threads=threads)
+        else:
+            res = case_limit(a.tokens)
+        a.json.write_text(json.dumps(res))
+        return
+
+    if not MODEL.exists():
+        from trainer.config import parse_config
+        from trainer.models import ensure_model
+
+        ensure_model(parse_config(yatt_config(32, 1, "colocate")))
+    cases = a.cases.split(",")
+    load = os.getloadavg()
+    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {os.cpu_count()} cores, "
+             f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the start "
+             "(shared machine: compare within one run only).", "",
+             "Command: `PYTHONPATH=. .venv/bin/python bench/trainer_vs_trl.py`", ""]
+    if a.report_from:
+        lines[0] = "Re-rendered from saved case results (`--report-from`); " + lines[0]
+    if a.note:
+        lines += [a.note, ""]
+    ratio = None
+    tmp = a.report_from or Path(tempfile.mkdtemp(prefix="vs-trl-"))
+    print(f"case results in {tmp}", flush=True)
+    for tokens in [int(t) for t in a.workloads.split(",")]:
+        steps = a.steps or (5 if tokens <= 64 else 3)
+        name = "short" if tokens <= 64 else "generation-heavy"
+        print(f"== {name}: {PROMPTS} prompts x {N} samples x {tokens} new tokens, {steps} steps", flush=True)
+        results: dict[str, dict] = {}
+        for case in cases:
+            out = tmp / f"{case}-{tokens}.json"
+            if a.report_from:
+                res = json.loads(out.read_text()) if out.exists() else {"error": "not run"}
+            else:
+                res = run_child(case, tokens, steps, out, a.timeout)
+                if "error" in res:  # keep the failure for a re-rendered report
+                    out.write_text(json.dumps(res))
+            results[case] = res
+            print(f"   {case}: {'error: ' + res['error'] if 'error' in res else 'done'} "
+                  f"({res.get('wall_s', 0):.0f}s)", flush=True)
+        rows = [f"### {name}: {PROMPTS} prompts × {N} samples × {tokens} new tokens, {steps} steps per case", "",
+                "| case | median step | samples/s | generated tok/s | phase split (median s) |",
+                "|---|---:|---:|---:|---|"]
+        sums: dict[str, dict] = {}
+        for case, res in results.items():
+            if case == "limit":
+                continue
+            s = summarize(res) if "error" not in res else None
+            if s is None:
+                rows.append(f"| {case} | — | — | — | did not run: {res.get('error', 'no steps')} |")
+                continue
+            sums[case] = s
+            split = ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items() if v > 0.005)
+            rows.append(f"| {case} | {s['median_step']:.2f} s | {s['samples_s']:.2f} | {s['gen_tok_s']:.0f} | {split} |")
+        lim = results.get("limit", {})
+        if "generation" in lim:
+            ssum = lim["generation"] + lim["reference"] + lim["train"]
+            smax = max(lim["generation"], lim["reference"] + lim["train"])
+            rows += ["", f"Limit (each phase alone on all cores): generation {lim['generation']:.2f} s "
+                     f"({lim['gen_tokens'] / lim['generation']:.0f} tok/s), reference {lim['reference']:.2f} s, "
+                     f"training pass {lim['train']:.2f} s; sum {ssum:.2f} s, max {smax:.2f} s.", ""]
+            for case, bound, what in (("yatt-colocate", ssum, "sum"), ("yatt-disaggregated", smax, "max")):
+                if case in sums:
+                    rows.append(f"- {case}: median step {sums[case]['median_step']:.2f} s = "
+                                f"{sums[case]['median_step'] / bound:.2f}× the limit ({what} {bound:.2f} s); "
+                                f"goal ≤ 1.15×: "
+                                + ("no verdict: the step beat the 'limit', which is then no bound"
+                                   if sums[case]["median_step"] < bound
+                                   else "met" if sums[case]["median_step"] <= 1.15 * bound else "NOT met"))
+        elif lim:
+            rows += ["", f"Limit: did not run: {lim.get('error')}"]
+        yatt = [sums[c]["samples_s"] for c in sums if c.startswith("yatt")]
+        trl = [sums[c]["samples_s"] for c in sums if c.startswith("trl")]
+        if yatt and trl:
+            r = max(yatt) / max(trl)
+            goal = 2.0 if tokens > 64 else 1.0
+            verdict = "met" if r >= goal else f"NOT met: {goal / r:.2f}× short"
+            rows += ["", f"yatt best / faster TRL (samples/s): **{r:.2f}×** (goal ≥ {goal:.1f}×: {verdict})"]
+            if tokens > 64:
+                ratio = r
+        png = ROOT / "docs" / f"trainer_vs_trl_{tokens}.png"
+        curves = {c: s["rewards"] for c, s in sums.items()}
+        if curves:
+            plot(curves, f"reward, {tokens} new tokens", png)
+            rows += ["", f"![reward curves, {tokens} new tokens]({png.name})"]
+        rows.append("")
+        text = "\n".join(rows)
+        print(text, flush=True)
+        lines.append(text)
+        if not a.no_docs:  # after each workload, so a cut-short run still leaves its figures
+            write_section("## yatt vs TRL GRPOTrainer (issue 8)\n\n" + "\n".join(lines))
+    end_load = os.getloadavg()
+    lines.append(f"Load average at the end: {end_load[0]:.1f} / {end_load[1]:.1f} / {end_load[2]:.1f}.")
+    if not a.no_docs:
+        write_section("## yatt vs TRL GRPOTrainer (issue 8)\n\n" + "\n".join(lines))
+    print(f"load average at the end: {end_load[0]:.1f}")
+    print(f"ratio: {ratio:.2f}" if ratio is not None else "ratio: n/a")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)

@@ -1,0 +1,201 @@
+"""The `Learner` on a tiny real model: log-probs without full-vocabulary logits, ranks that stay
+identical through empty batches, and a resume that follows the curve of an uninterrupted run.
+
+Two data-parallel ranks are two real processes joined by the gloo all-reduce the controllers use.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trainer.config import parse_config
+from trainer.models import ensure_model
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(model_dir: Path, **algorithm) -> dict:
+    return {
+        "model": {"path": str(model_dir), "preset": "nano"},
+        "data": {"arithmetic": {"train_size": 500, "eval_size": 16}},
+        "algorithm": {"name": "ppo", "kl_coef": 0.05, **algorithm},
+        "train": {"lr": 3e-3, "grad_clip": 0.05, "micro_batch_size": 4},
+        "rollout": {"engine": "hf", "n": 2, "max_new_tokens": 5, "temperature": 0.8},
+        "placement": {"device_type": "cpu", "devices": 2},
+    }
+
+
+@pytest.fixture(scope="module")
+def nano(tmp_path_factory) -> Path:
+    model_dir = tmp_path_factory.mktemp("models") / "nano"
+    return ensure_model(parse_config(_cfg(model_dir)))
+
+
+def _batch(learner, rank: int, step: int, rows: int):
+    """A deterministic synthetic batch: varied lengths, rewards and sampler log-probs."""
+    from trainer.learner import RLBatch
+
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    vocab = learner.policy.config.vocab_size
+    prompts, responses, logprobs = [], [], []
+    for i in range(rows):
+        prompts.append(torch.randint(2, vocab, (3 + i % 3,), generator=g).tolist())
+        length = 2 + (i * 3 + step) % 5
+        responses.append(torch.randint(2, vocab, (length,), generator=g).tolist())
+        # sampler log-probs near the policy's (uniform-ish at init), some far off: exercises the cap
+        logprobs.append((-torch.rand(length, generator=g) * 8).tolist())
+    scores = torch.rand(rows, generator=g).round().tolist()
+    return RLBatch(prompt_ids=prompts, response_ids=responses, scores=scores, n=2,
+                   truncated=[False] * rows, sample_logprobs=logprobs, staleness=[1] * rows)
+
+
+def _rank_main(rank: int, world: int, port: int, cfg_data: dict, model_dir: str, out: str,
+               empty_at: dict) -> None:
+    from trainer.learner import DataParallelGroup, Learner, RLBatch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)  # ranks draw differently: identical weights must come from lockstep
+    cfg = parse_config(cfg_data)
+    group = DataParallelGroup("127.0.0.1", port, rank, world)
+    learner = Learner(cfg, model_dir, dist_group=group)
+    metrics = []
+    for step in range(4):
+        if step in empty_at.get(rank, ()):
+            batch = RLBatch([], [], [], n=2, truncated=[])
+        else:
+            batch = _batch(learner, rank, step, rows=6)
+        metrics.append(learner.rl_step(batch))
+    torch.save({"policy": learner.policy.state_dict(), "critic": learner.critic.state_dict(),
+                "metrics": metrics}, out)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_path):
+    """Rank 1 has nothing to train at step 1, rank 0 at step 2: with a tight grad clip and a
+    critic, any path that skips clipping or the critic step on the empty rank drifts."""
+    from safetensors.torch import load_file
+
+    cfg_data = _cfg(nano)
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, cfg_data, str(nano), outs[r],
+                                                  {1: [1], 0: [2]}))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+        assert p.exitcode == 0
+    a, b = (torch.load(o, weights_only=False) for o in outs)
+    initial = load_file(str(nano / "model.safetensors"))
+    moved = 0
+    for name, tensor in a["policy"].items():
+        assert torch.equal(tensor, b["policy"][name]), f"policy {name} differs between ranks"
+        if name in initial:
+            moved += int(not torch.equal(tensor, initial[name]))
+    assert moved > 0, "training changed nothing: the test would pass vacuously"
+    for name, tensor in a["critic"].items():
+        assert torch.equal(tensor, b["critic"][name]), f"critic {name} differs between ranks"
+    assert a["metrics"][2]["train/empty_batch"] == 1.0 and b["metrics"][1]["train/empty_batch"] == 1.0
+    # both ranks clipped to the same global norm, the empty one included
+    for step in range(4):
+        assert a["metrics"][step]["grad_norm"] == pytest.approx(b["metrics"][step]["grad_norm"])
+    # the sampler's log-probs were used: far-off ones are weighted, and the mismatch is reported
+    assert a["metrics"][0]["rollout/logprob_diff"] > 0.5
+    assert 0 < a["metrics"][0]["rollout/is_capped_frac"] < 1
+
+
+def test_logprobs_at_response_positions_match_the_full_forward(nano):
+    """The chunked LM-head pass equals log_softmax over full logits, temperature and entropy too."""
+    from trainer import learner as L
+    from trainer.algorithms import entropy_from_logits, token_logprobs
+
+    cfg = parse_config(_cfg(nano, name="grpo", kl_coef=0.0))
+    learner = L.Learner(cfg, nano)
+    batch = _batch(learner, 0, 0, rows=5)
+    ids, attn, index, mask = learner._layout(batch.prompt_ids, batch.response_ids)
+    with torch.no_grad():
+        logits = learner.policy(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / 0.7
+        want_lp = token_logprobs(logits, ids[:, 1:]).gather(1, index)
+        want_ent = entropy_from_logits(logits).gather(1, index)
+        saved = L.LOGITS_CHUNK_ELEMENTS
+        try:
+            L.LOGITS_CHUNK_ELEMENTS = 1  # one position per chunk: exercises the chunking
+            lp, ent = learner._logprobs(learner.policy, ids, attn, index, entropy=True, temperature=0.7)
+        finally:
+            L.LOGITS_CHUNK_ELEMENTS = saved
+    assert ent is not None
+    m = mask.bool()
+    torch.testing.assert_close(lp[m], want_lp[m], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[m], want_ent[m], rtol=1e-5, atol=1e-5)
+
+
+def _controller_run(cfg_data: dict, run_dir: Path, model_dir: Path, max_steps: int) -> dict:
+    """One rank's controller loop in this process (world of one, HF sampler): step → metrics."""
+    import copy
+    import json
+
+    from trainer.controller import ControllerLoop
+
+    data = copy.deepcopy(cfg_data)
+    data["train"]["max_steps"] = max_steps
+    loop = ControllerLoop(json.dumps(data), rank=0, world=1, device=0, device_type="cpu", cores=1,
+                          run_dir=str(run_dir), rollout_workers=[], local_sampler=True,
+                          model_dir=str(model_dir))
+    loop.run("127.0.0.1", 0)
+    return {r["step"]: r["metrics"] for r in loop.drain() if r["type"] == "metrics" and r["step"] > 0}
+
+
+def test_a_resumed_run_follows_the_curve_of_one_that_never_stopped(nano, tmp_path):
+    """Same seeds, CPU: stop after the step-2 checkpoint, resume, and steps 3-4 match an
+    uninterrupted run's (weights, optimizer, reference, data position, sampler and RNG state)."""
+    torch.set_num_threads(1)
+    cfg_data = _cfg(nano, name="grpo", kl_coef=0.05,
+                    warm_start={"steps": 20, "lr": 1e-3, "batch_size": 16})
+    cfg_data.update({
+        "train": {"lr": 1e-3, "batch_size": 4, "micro_batch_size": 8, "lr_schedule": "constant"},
+        "rollout": {"engine": "hf", "n": 4, "max_new_tokens": 4, "temperature": 1.0},
+        "reward": {"kind": "rule", "rule": "exact_match+format"},
+        "sampling": {"dynamic": True, "max_refills": 1},
+        "placement": {"device_type": "cpu", "devices": 1},
+        "checkpoint": {"every_steps": 2, "export_final": False},
+        "eval": {"size": 4},
+    })
+    straight = _controller_run(cfg_data, tmp_path / "straight", nano, 4)
+    _controller_run(cfg_data, tmp_path / "resumed", nano, 2)
+    resumed = _controller_run(cfg_data, tmp_path / "resumed", nano, 4)
+    assert sorted(resumed) == [3, 4]  # it went on from the checkpoint, not from the start
+    for step in (3, 4):
+        a, b = straight[step], resumed[step]
+        for key in ("reward/mean", "response/length_mean", "loss/total", "grad_norm", "kl/mean"):
+            assert key in a, f"{key} missing at step {step}"
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), f"{key} at step {step}"
+    assert any(straight[s]["grad_norm"] > 0 for s in (3, 4)), "nothing trained: vacuous"
+
+
+def test_checkpoints_keep_the_cuda_rng_where_cuda_exists(monkeypatch):
+    """No GPU here: only torch.cuda's availability and RNG calls are stood in for."""
+    from trainer import checkpoint as ckpt
+
+    saved = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
+    restored: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: saved)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    state = ckpt.rng_state()
+    assert state["cuda"] is saved
+    ckpt.set_rng_state(state)
+    assert restored == [saved]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "cuda" not in ckpt.rng_state()
