@@ -84,11 +84,12 @@ def run_warm_start(learner: Any, train: list[Example], ws: WarmStartConfig, *, r
     def report(step: int, metrics: dict[str, float], loud: bool) -> None:
         if emit is None:
             return
-        text = f"warm start {step}/{ws.steps}"
+        parts = []
         if "warm_start/loss" in metrics:
-            text += f": loss {metrics['warm_start/loss']:.3f}"
+            parts.append(f"loss {metrics['warm_start/loss']:.3f}")
         if "warm_start/dev_accuracy" in metrics:
-            text += f", dev accuracy {metrics['warm_start/dev_accuracy']:.3f} (target {target})"
+            parts.append(f"dev accuracy {metrics['warm_start/dev_accuracy']:.3f} (target {target})")
+        text = f"warm start {step}/{ws.steps}: " + ", ".join(parts)
         emit({"type": "progress", "step": step, "print": loud, "metrics": metrics, "message": text})
 
     done = 0
