@@ -21,6 +21,9 @@ shipped then (a fixed 800-step warm start) with `--set seed=1`, model built with
   number of digits in 99.2%; 78.9% had only the units digit wrong (tens and hundreds, carry
   included, right), 6.2% units and tens wrong, 14.1% right. Sampled (n=8, T=1): 11.3% right,
   i.e. the units digit at chance (1 in 10).
+- Control, bench/trl_control.py: TRL 1.16's GRPOTrainer from the same model (the run's final
+  policy, 14.1%) on the same prompts with the same settings (16 x 8, lr 1e-4, no KL, 100 steps):
+  reward 0.097 (first 10 steps) -> 0.113 (last 10), held-out 14.1% -> 12.1%. Neither learns.
 So the warm start stopped before the model learned the units digit (SFT's sharp accuracy jump,
 between ~600 and ~1,100 steps depending on the seed). The right answers GRPO saw were lucky
 guesses of that digit, not a rule to reinforce: 100 steps of ~10 such hits at lr 1e-4 cannot
