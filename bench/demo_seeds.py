@@ -77,6 +77,7 @@ def pct(x: float | None) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
+    rows = sorted(rows, key=lambda r: r["seed"])
     lines = ["| seed | held-out accuracy start → end | gain | warm start (steps, dev acc, time) "
              "| wall | load avg before → after | pass |",
              "|---:|---|---:|---|---:|---|:-:|"]
@@ -85,7 +86,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         ws = "—" if r["sft_steps"] is None else (
             f"{r['sft_steps']:.0f}, {pct(r['sft_dev_acc'])}, {r['sft_time_s']:.0f} s")
         lines.append(f"| {r['seed']} | {pct(r['start'])} → {pct(r['end'])} | {gain} | {ws} "
-                     f"| {r['wall_s'] / 60:.0f} min {r['wall_s'] % 60:02.0f} s "
+                     f"| {int(r['wall_s'] // 60)} min {int(r['wall_s'] % 60):02d} s "
                      f"| {r['load_before'].split()[0]} → {r['load_after'].split()[0]} "
                      f"| {'yes' if r['passed'] else 'NO'} |")
     return lines
@@ -97,6 +98,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = sorted(rows, key=lambda r: r["seed"])
     fig, (ax_ws, ax_rl) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1, 2]})
     for r in rows:
         if r["dev_curve"]:
@@ -158,10 +160,22 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="where runs and the model go (default runs/demo-seeds-<time>)")
     ap.add_argument("--no-write", action="store_true", help="touch neither docs/benchmarks.md nor the PNG")
+    ap.add_argument("--redraw", action="store_true",
+                    help="run nothing: rewrite the docs section and PNG from WORKDIR/results.json")
     args = ap.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.redraw:
+        if args.workdir is None:
+            ap.error("--redraw needs --workdir")
+        rows = json.loads((args.workdir / "results.json").read_text())
+        started = json.loads((args.workdir / "started.json").read_text())["started"]
+        plot(rows, PNG)
+        update_doc(section(rows, args.sets, started))
+        print("\n".join(table(rows)))
+        return
     workdir = (args.workdir or ROOT / "runs" / f"demo-seeds-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "started.json").write_text(json.dumps({"started": started}))
     print(f"runs and logs in {workdir}; load average {load_avg()}", flush=True)
     # the model the shipped config builds (seed 0), whatever order the seeds run in
     from trainer.config import load_config
