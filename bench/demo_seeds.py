@@ -126,7 +126,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def section(rows: list[dict[str, Any]], sets: list[str], started: str) -> str:
     cmd = "PYTHONPATH=. .venv/bin/python bench/demo_seeds.py" + "".join(f" --set {s}" for s in sets)
     passed = sum(r["passed"] for r in rows)
-    lines = [f"## The demo for seeds {', '.join(str(r['seed']) for r in rows)}", "",
+    lines = [f"## The demo for seeds {', '.join(str(r['seed']) for r in sorted(rows, key=lambda r: r['seed']))}", "",
              f"`{cmd}` — {started}, {platform.machine()}, {os.cpu_count()} cores shared with other "
              "work (load average before → after each run in the table). Each row is "
              "`yatt train configs/demo-arithmetic.yaml --set seed=S` (local Ray, 2 parallel "
