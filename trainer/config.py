@@ -69,9 +69,23 @@ class DataConfig(_Group):
 
 
 class WarmStartConfig(_Group):
-    steps: int = Field(0, ge=0, description="SFT steps before RL; 0 disables the warm start.")
+    steps: int = Field(0, ge=0, description="SFT steps before RL; 0 disables the warm start. "
+                       "With `target_accuracy`, the step budget.")
     lr: float = Field(1e-3, gt=0)
     batch_size: int = Field(64, ge=1)
+    target_accuracy: float | None = Field(
+        None, gt=0, le=1, description="Stop SFT once greedy exact-match accuracy on a dev split "
+        "(held out of SFT, not the eval set) reaches this; `steps` caps it. None: run `steps`."
+    )
+    eval_every: int = Field(50, ge=1, description="SFT steps between dev-split evaluations.")
+    dev_size: int = Field(128, ge=1, description="Train examples held out of SFT as the dev split.")
+
+    @model_validator(mode="after")
+    def _target_has_a_budget(self) -> WarmStartConfig:
+        if self.target_accuracy is not None and self.steps == 0:
+            raise ValueError("algorithm.warm_start.target_accuracy needs warm_start.steps > 0 "
+                             "(the step budget)")
+        return self
 
 
 class AlgorithmConfig(_Group):

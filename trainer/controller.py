@@ -304,31 +304,28 @@ class ControllerLoop:
         ws = self.cfg.algorithm.warm_start
         if ws.steps == 0 or self.cfg.algorithm.name == "sft" or self.state["warm_start_done"]:
             return
-        from trainer.data import sft_target
+        from trainer.warm_start import run_warm_start
 
-        stream = PromptStream(self.train_examples, rank=self.rank, world=self.world,
-                              seed=self.cfg.seed, salt="sft")
-        opt = torch.optim.AdamW(self.learner.policy.parameters(), lr=ws.lr)
-        per_rank = max(1, ws.batch_size // self.world)
-        t0 = time.time()
-        m: dict[str, float] = {}
         with self.recorder.span("warm_start"):
-            for i in range(ws.steps):
-                batch = stream.take(per_rank)
-                m = self.learner.sft_step([e.prompt for e in batch], [sft_target(e) for e in batch], opt)
-                if (i + 1) % 25 == 0 or i + 1 == ws.steps:
-                    # the loss curve reaches the API while the warm start runs (minutes on a CPU)
-                    self._emit({"type": "progress", "step": i + 1,
-                                "print": (i + 1) % 100 == 0 or i + 1 == ws.steps,
-                                "metrics": {"warm_start/loss": m["loss/sft"]},
-                                "message": f"warm start {i + 1}/{ws.steps}: loss {m['loss/sft']:.3f}"})
+            res = run_warm_start(self.learner, self.train_examples, ws, rank=self.rank,
+                                 world=self.world, seed=self.cfg.seed,
+                                 max_new_tokens=self.cfg.rollout.max_new_tokens, emit=self._emit)
         if self.learner.reference is not None:  # KL is measured from the warmed-up policy
             self.learner.reference.load_state_dict(self.learner.policy.state_dict())
         self.state["warm_start_done"] = True
         self.recorder.take()
-        self._emit({"type": "metrics", "step": 0,
-                    "metrics": {"warm_start/time_s": time.time() - t0,
-                                "warm_start/steps": float(ws.steps)}})
+        metrics = {"warm_start/time_s": res.time_s, "warm_start/steps": float(res.steps)}
+        if res.dev_accuracy is not None:
+            metrics["warm_start/dev_accuracy"] = res.dev_accuracy
+            metrics["warm_start/reached_target"] = float(bool(res.reached_target))
+            if self.rank == 0:
+                how = "reached" if res.reached_target else "missed (step budget spent)"
+                self._event("warm_start", f"warm start stopped after {res.steps}/{ws.steps} steps: "
+                            f"dev accuracy {res.dev_accuracy:.3f}, target {ws.target_accuracy} {how}",
+                            {"steps": res.steps, "budget": ws.steps, "dev_accuracy": res.dev_accuracy,
+                             "target_accuracy": ws.target_accuracy,
+                             "reached_target": res.reached_target, "time_s": res.time_s})
+        self._emit({"type": "metrics", "step": 0, "metrics": metrics})
 
     def _evaluate(self, when: str) -> float | None:
         from trainer.rewards import exact_match

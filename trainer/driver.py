@@ -257,7 +257,7 @@ class Driver:
             if rec["kind"] == "resume":
                 return  # each rank resumes; rank 0's "restart" event says it once
             self.reporter.log_event(rec["kind"], rec["message"], rec["data"])
-            if rec["kind"] in ("eval", "warning", "restart"):
+            if rec["kind"] in ("eval", "warning", "restart", "warm_start"):
                 self.on_message(rec["message"])
         elif kind == "progress":
             if rec["rank"] == 0:
