@@ -25,8 +25,11 @@ def register(app: typer.Typer) -> None:
         from trainer.config import ConfigError, load_config
         from trainer.entry import format_step, run_training
 
+        from trainer.placement.memory import check_memory
+
         try:
             cfg = load_config(config, set_ or [])
+            check_memory(cfg, probe_gpu=True)  # refuse a placement that cannot fit, before Ray
         except ConfigError as exc:
             for path, msg in exc.errors:
                 typer.echo(f"config error: {path or '<top>'}: {msg}", err=True)
