@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _role(proc: psutil.Process) -> str | None:
     try:
-        cmd = " ".join(proc.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        text = " ".join(proc.cmdline()) + " " + proc.name()
+    except psutil.Error:  # it ended while we looked
         return None
     for role in ("ControllerActor", "RolloutWorker"):
-        if f"ray::{role}" in cmd or f"ray::{role}" in proc.name():
+        if f"ray::{role}" in text:
             return role
     return None
 
@@ -70,7 +70,7 @@ def run_mode(config: str, mode: str, out: Path, sets: list[str]) -> dict:
                     continue
                 try:
                     rss = p.memory_info().rss
-                except psutil.NoSuchProcess:
+                except psutil.Error:
                     continue
                 rec = peaks.setdefault(p.pid, {"role": role, "rss_peak": 0, "hwm": 0})
                 rec["rss_peak"] = max(rec["rss_peak"], rss)

@@ -24,7 +24,6 @@ def register(app: typer.Typer) -> None:
         """Train standalone on a local Ray (started when none is running)."""
         from trainer.config import ConfigError, load_config
         from trainer.entry import format_step, run_training
-
         from trainer.placement.memory import check_memory
 
         try:

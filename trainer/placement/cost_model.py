@@ -3,10 +3,11 @@ time each placement mode makes of them, and a fit of its parameters to measured 
 
 Phases of a step and what drives their time on one device:
 
-- generation: ``gen_fixed_s + gen_step_s × waves × longest response + gen_token_s × tokens``.
-  A decode step costs a latency floor (weights read once per step) plus a per-token share, so
-  the longest response of a device (the long tail) sets how many decode steps it runs; a
-  device decodes at most ``gen_concurrency`` sequences at once (KV cache), more run in waves.
+- generation: ``gen_fixed_s + gen_step_s × decode steps + gen_token_s × tokens``. A decode step
+  costs a latency floor (the weights are read once per step) plus a per-token share; the
+  longest response of a device (the long tail) sets how many decode steps it runs, and with at
+  most ``gen_concurrency`` sequences decoding at once (KV cache, continuous batching) it runs at
+  least tokens / concurrency of them.
 - scoring: ``reward_sample_s`` per sample on a scoring device.
 - reference and training: per trained token (FLOP-bound), plus ``train_fixed_s`` (optimizer
   step) and the gradient all-reduce (``2 (T-1)/T × grad bytes / allreduce_Bps``).
@@ -206,8 +207,10 @@ class PhaseTimes:
 def _gen_time(p: CostParams, seqs: float, longest: float, tokens: float) -> float:
     if seqs <= 0:
         return 0.0
-    waves = math.ceil(seqs / p.gen_concurrency) if math.isfinite(p.gen_concurrency) else 1
-    return p.gen_fixed_s + p.gen_step_s * waves * longest + p.gen_token_s * tokens
+    # continuous batching: at most `gen_concurrency` sequences decode at once, so a device runs
+    # at least tokens / concurrency decode steps, and never fewer than its longest response
+    steps = max(longest, tokens / p.gen_concurrency) if math.isfinite(p.gen_concurrency) else longest
+    return p.gen_fixed_s + p.gen_step_s * steps + p.gen_token_s * tokens
 
 
 def _sync(p: CostParams, nbytes: float, *, local: bool) -> float:
@@ -316,22 +319,27 @@ class FitResult:
 
 
 def _nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
-    """Least squares with coefficients ≥ 0 (active set: drop the most negative, refit)."""
+    """Least squares with coefficients ≥ 0: the best of the unconstrained solutions on every
+    subset of columns (exact for the few terms of a phase)."""
+    from itertools import combinations
+
     import numpy as np
 
     A, y = np.asarray(rows, dtype=float), np.asarray(ys, dtype=float)
-    active = list(range(A.shape[1]))
-    coef = np.zeros(A.shape[1])
-    while active:
-        cols = A[:, active]
-        scale = np.maximum(np.abs(cols).max(axis=0), 1e-30)  # columns differ by 1e9 in scale
-        sol = np.linalg.lstsq(cols / scale, y, rcond=None)[0] / scale
-        if (sol >= -1e-15).all():
-            coef[:] = 0
-            coef[active] = np.maximum(sol, 0)
-            break
-        active.pop(int(np.argmin(sol)))
-    return [float(c) for c in coef]
+    k = A.shape[1]
+    scale = np.maximum(np.abs(A).max(axis=0), 1e-30)  # columns differ by 1e9 in scale
+    best, best_res = np.zeros(k), float(y @ y)
+    for size in range(1, k + 1):
+        for cols in combinations(range(k), size):
+            idx = list(cols)
+            sol = np.linalg.lstsq(A[:, idx] / scale[idx], y, rcond=None)[0] / scale[idx]
+            if (sol < 0).any():
+                continue
+            res = y - A[:, idx] @ sol
+            if float(res @ res) < best_res - 1e-15:
+                best, best_res = np.zeros(k), float(res @ res)
+                best[idx] = sol
+    return [float(c) for c in best]
 
 
 def _rel_err(pred: list[float], meas: list[float]) -> float:
@@ -392,10 +400,12 @@ def fit(obs: list[StepObservation], *, prior: CostParams | None = None) -> FitRe
     offloads = [o.get("time/offload") for o in obs if "time/offload" in o.metrics]
     if offloads:
         p.offload_s = sum(offloads) / len(offloads)
-    # what the phases do not explain (driver, reporting, Ray calls): the mean residual
+    # What the phases do not explain (driver, reporting, Ray calls): the mean residual. It can
+    # come out negative: each phase is reported as its slowest rank's, and under load the ranks'
+    # slow phases fall on different steps, so the sum of maxima overstates the slowest rank.
     p.overhead_s = 0.0
     resid = [o.get("time/step") - _composed(p, o) for o in obs]
-    p.overhead_s = max(0.0, sum(resid) / len(resid))
+    p.overhead_s = sum(resid) / len(resid)
 
     # errors: each phase against its measurement, and the composed step time
     pred_phase: dict[str, list[float]] = {k: [] for k in ("rollout", "reward", "train", "weight_sync")}

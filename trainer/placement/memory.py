@@ -27,10 +27,13 @@ __all__ = ["MemoryEstimate", "ModelShape", "check_memory", "device_memory_bytes"
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Resident size of a process before any model is loaded, measured here (bench/placement_runs.py):
-# a Ray actor with torch + transformers, and what an in-process vLLM engine adds to it.
-CPU_PROCESS_BYTES = 0.75 * GiB
-CPU_VLLM_ENGINE_BYTES = 0.55 * GiB
+# Resident size of a process apart from its models, measured here (docs/placement.md): a Ray
+# actor with torch, transformers, the task's data and gloo (a training-only controller peaked at
+# 0.65 GiB), and what an in-process vLLM engine adds besides its KV cache (a rollout worker
+# peaked at 1.84 GiB with a 1 GiB KV cache). vLLM's CPU KV cache is resident in full: an engine
+# with 3 GiB peaked exactly 2.0 GiB above one with 1 GiB.
+CPU_PROCESS_BYTES = 0.60 * GiB
+CPU_VLLM_ENGINE_BYTES = 0.25 * GiB
 GPU_CONTEXT_BYTES = 1.0 * GiB  # CUDA context, cuBLAS workspace, NCCL buffers
 # Activation bytes kept for backward, per token, per layer, per hidden unit (fp32 eager attention,
 # no checkpointing; Korthikanti et al. 2022 count ~34 bytes/hidden/token at 16-bit).
