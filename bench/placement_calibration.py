@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     runs = Path(args.runs)
     load = os.getloadavg()
-    obs_by_mode, cfgs, rss = {}, {}, {}
+    obs_by_mode, cfgs, rss, run_info = {}, {}, {}, {}
     for mode in args.modes.split(","):
         d = runs / mode
         cfg = parse_config(json.loads((d / "config.json").read_text()))
@@ -59,11 +59,14 @@ def main() -> None:
                                                       param_bytes=param_bytes)
         cfgs[mode] = (cfg, shape, layout)
         if (d / "rss.json").exists():
-            rss[mode] = json.loads((d / "rss.json").read_text())["processes"]
+            run_info[mode] = json.loads((d / "rss.json").read_text())
+            rss[mode] = run_info[mode]["processes"]
     all_obs = [o for obs in obs_by_mode.values() for o in obs]
     result = fit(all_obs)
-    lines = [f"load average while analysing: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-             "(the runs' own load is in their logs)", "",
+    run_loads = "; ".join(f"{m} run {r['load_start'][0]:.1f} at start, {r['load_end'][0]:.1f} at end"
+                          for m, r in run_info.items() if "load_start" in r)
+    lines = [f"load average (1 min): {run_loads or 'not recorded by the runs'}; "
+             f"{load[0]:.1f} while analysing", "",
              f"fitted on {result.observations} steps; mean |error| per step {result.step_error:.1%}; "
              + ", ".join(f"{k} {v:.0%}" for k, v in result.phase_error.items()), "",
              "| mode (2 devices) | measured step s | analytic model s | error | simulator s | error |",

@@ -52,6 +52,7 @@ def run_mode(config: str, mode: str, out: Path, sets: list[str]) -> dict:
            "--set", f"placement.mode={mode}", *[a for s in sets for a in ("--set", s)]]
     log = (out / f"{mode}.log").open("w")
     t0 = time.time()
+    load_start = os.getloadavg()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     peaks: dict[int, dict] = {}
@@ -88,6 +89,7 @@ def run_mode(config: str, mode: str, out: Path, sets: list[str]) -> dict:
         stop.set()
         th.join()
     result = {"mode": mode, "rc": rc, "wall_s": time.time() - t0,
+              "load_start": load_start, "load_end": os.getloadavg(),
               "processes": sorted(peaks.values(), key=lambda r: r["role"])}
     (run_dir / "rss.json").write_text(json.dumps(result, indent=2))
     return result

@@ -98,6 +98,7 @@ class Driver:
         self._step_metrics: dict[int, dict[str, float]] = {}
         self._started_running = False
         self._proc = psutil.Process()
+        self._cost_fit: Any = None  # the placement cost model, refitted as steps come in
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -272,6 +273,12 @@ class Driver:
         if step > 0:
             metrics["driver/rss_mb"] = self._proc.memory_info().rss / 2**20
             metrics["controller/restarts"] = float(self.restarts)
+            if self._cost_fit is None:
+                from trainer.placement.cost_model import OnlineFit
+
+                self._cost_fit = OnlineFit.for_config(self.cfg) or False
+            if self._cost_fit:
+                metrics.update(self._cost_fit.observe(step, metrics))
         if step > 0 and not self._started_running:
             self._started_running = True
             self.reporter.set_state("running")

@@ -116,3 +116,22 @@ def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="at least 2"):
         Layout("disaggregated", 1)
     assert math.isinf(CostParams().sync_link_Bps)
+
+
+def test_online_fit_reports_parameters_and_error_per_step_once_it_has_enough():
+    from trainer.config import parse_config
+    from trainer.placement.cost_model import OnlineFit
+
+    cfg = parse_config({"model": {"path": "/nonexistent/m", "preset": "micro"},
+                        "placement": {"mode": "colocate", "devices": 2}})
+    online = OnlineFit.for_config(cfg)
+    assert online is not None and online.layout == Layout("colocate", 2)
+    steps = [o for o in _recorded_steps(random.Random(2), noise=0.01)
+             if o.layout == Layout("colocate", 2) and o.param_bytes == 8e7]
+    online.param_bytes = 8e7
+    reported = [online.observe(i + 1, o.metrics) for i, o in enumerate(steps)]
+    assert reported[0] == {} and reported[4] == {}  # warm-up steps are skipped, then 4 are needed
+    last = reported[-1]
+    assert last["placement/fit/step_error"] < 0.05
+    assert last["placement/cost/train_token_s"] > 0
+    assert OnlineFit.for_config(parse_config({"model": {"path": "hub/unknown"}})) is None

@@ -38,6 +38,7 @@ __all__ = [
     "FitResult",
     "Layout",
     "LengthDist",
+    "OnlineFit",
     "PhaseTimes",
     "StepObservation",
     "Workload",
@@ -469,3 +470,39 @@ def observations_from_metrics(rows: list[dict[str, Any]], layout: Layout, *, par
                                    metrics={k: float(v) for k, v in r.items()
                                             if isinstance(v, int | float)}))
     return out
+
+
+class OnlineFit:
+    """The cost model refitted as a run goes: fed each step's combined metrics, it refits on the
+    last `window` steps every `every` steps and returns its parameters and fit error as metrics
+    (`placement/cost/*`, `placement/fit/*`) for every step once it has `min_steps`."""
+
+    def __init__(self, layout: Layout, *, param_bytes: float, window: int = 50, every: int = 5,
+                 min_steps: int = 4, skip_first: int = 2):
+        self.layout, self.param_bytes = layout, param_bytes
+        self.window, self.every, self.min_steps, self.skip_first = window, every, min_steps, skip_first
+        self.obs: list[StepObservation] = []
+        self.result: FitResult | None = None
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> OnlineFit | None:
+        """For a TrainerConfig of a mode the model covers; None when the model's shape is unknown."""
+        from trainer.placement.memory import DTYPE_BYTES, model_shape
+
+        p = cfg.placement
+        if p.mode not in MODES or (p.mode == "disaggregated" and p.devices < 2):
+            return None
+        shape = model_shape(cfg)
+        if shape is None:
+            return None
+        return cls(Layout(p.mode, p.devices, rollout_devices=p.rollout_devices, staleness=p.staleness),
+                   param_bytes=shape.params * DTYPE_BYTES[cfg.model.dtype])
+
+    def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Take one step's metrics; the current fit's metrics (empty until there is one)."""
+        if step > self.skip_first and "time/step" in metrics and metrics.get("tokens/generated"):
+            self.obs.append(StepObservation(self.layout, self.param_bytes, dict(metrics)))
+            self.obs = self.obs[-self.window:]
+            if len(self.obs) >= self.min_steps and (self.result is None or step % self.every == 0):
+                self.result = fit(self.obs)
+        return self.result.as_metrics() if self.result is not None else {}
