@@ -245,8 +245,8 @@ def phase_times(p: CostParams, w: Workload, layout: Layout) -> PhaseTimes:
         # Scorers take finished samples while the others still generate: scoring hides in the
         # tail between a device's own last response and the step's longest one.
         own = _gen_time(p, seqs_r, w.response.expected_max(seqs_r), seqs_r * w.response.mean)
-        chunk = p.reward_sample_s * max(1.0, seqs_r / max(1.0, w.response.mean))
-        rollout_scored = max(gen, own + score_all / K) + chunk
+        # ... and the step's last response is scored after generation ends
+        rollout_scored = max(gen, own + score_all / K) + p.reward_sample_s
         reward = rollout_scored - gen
         sync = _sync(p, w.param_bytes, local=True)
         step = rollout_scored + ref + train + sync + p.offload_s + p.overhead_s
