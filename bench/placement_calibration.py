@@ -67,7 +67,7 @@ def main() -> None:
                           for m, r in run_info.items() if "load_start" in r)
     lines = [f"load average (1 min): {run_loads or 'not recorded by the runs'}; "
              f"{load[0]:.1f} while analysing", "",
-             f"fitted on {result.observations} steps; mean |error| per step {result.step_error:.1%}; "
+             f"fitted on {result.observations} steps; mean |error| per step, relative to the mean, {result.step_error:.1%}; "
              + ", ".join(f"{k} {v:.0%}" for k, v in result.phase_error.items()), "",
              "| mode (2 devices) | measured step s | analytic model s | error | simulator s | error |",
              "|---|---|---|---|---|---|"]

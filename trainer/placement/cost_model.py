@@ -305,7 +305,7 @@ class StepObservation:
 @dataclass
 class FitResult:
     params: CostParams
-    step_error: float  # mean |predicted - measured| / measured over the observations
+    step_error: float  # mean |predicted - measured| / mean measured step time
     phase_error: dict[str, float] = field(default_factory=dict)
     observations: int = 0
     by_mode: dict[str, dict[str, float]] = field(default_factory=dict)  # measured/predicted means
@@ -344,8 +344,9 @@ def _nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
 
 
 def _rel_err(pred: list[float], meas: list[float]) -> float:
-    pairs = [(a, b) for a, b in zip(pred, meas, strict=True) if b > 1e-9]
-    return sum(abs(a - b) / b for a, b in pairs) / len(pairs) if pairs else 0.0
+    """Mean absolute error relative to the mean measured value (robust to phases near 0 s)."""
+    total = sum(meas)
+    return sum(abs(a - b) for a, b in zip(pred, meas, strict=True)) / total if total > 1e-9 else 0.0
 
 
 def fit(obs: list[StepObservation], *, prior: CostParams | None = None) -> FitResult:

@@ -67,7 +67,7 @@ def labelled_pairs(examples: list[Any], rng: random.Random, k: int) -> tuple[lis
 
 def make_reward_model(out_dir: str | Path, *, digits: int = 2, ops: tuple[str, ...] = ("+",),
                       seed: int = 0, time_budget_s: float = 240.0, target: float = 0.97,
-                      batch_size: int = 128, lr: float = 2e-3, hidden: int = 128, layers: int = 4,
+                      batch_size: int = 256, lr: float = 1e-3, hidden: int = 128, layers: int = 4,
                       log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Train the classifier and save it at `out_dir`; returns what it reached (also written to
     `reward_model.json`). Raises FileExistsError if `out_dir` exists."""
