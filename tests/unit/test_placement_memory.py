@@ -53,10 +53,13 @@ def test_a_placement_that_cannot_fit_is_refused_naming_what_would_fit():
     suggested = float(err.value.errors[0][1].split("≤ ")[1].split()[0])
     assert check_memory(_cfg(mode="colocate", device_memory_gb=3, kv=suggested)).fits
     # colocate that is just too big fits once training and rollout take separate devices
+    colo = estimate_memory(_cfg(mode="colocate", device_memory_gb=8, kv=0.6))
+    dis = estimate_memory(_cfg(mode="disaggregated", device_memory_gb=8, kv=0.6))
+    between = (colo.peak_bytes + dis.peak_bytes) / 2 / GiB
     with pytest.raises(ConfigError) as err2:
-        check_memory(_cfg(mode="colocate", device_memory_gb=2.0, kv=0.6))
+        check_memory(_cfg(mode="colocate", device_memory_gb=between, kv=0.6))
     assert "placement.mode" in [p for p, _ in err2.value.errors]
-    assert check_memory(_cfg(mode="disaggregated", device_memory_gb=2.0, kv=0.6)).fits
+    assert check_memory(_cfg(mode="disaggregated", device_memory_gb=between, kv=0.6)).fits
 
 
 def test_unknown_model_shape_is_not_refused():
