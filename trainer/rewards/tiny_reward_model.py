@@ -128,12 +128,13 @@ def make_reward_model(out_dir: str | Path, *, digits: int = 2, ops: tuple[str, .
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        if step % 100 == 0:
+        over = time.time() - t0 > time_budget_s
+        if step % 100 == 0 or over:
             acc = agreement()
             history.append((step, round(time.time() - t0, 1), acc))
             log(f"reward model step {step} ({time.time() - t0:.0f}s): loss {loss.item():.3f}, "
                 f"held-out agreement {acc:.1%}")
-            if acc >= target or time.time() - t0 > time_budget_s:
+            if acc >= target or over:
                 break
     report = {"held_out_agreement": acc, "held_out_pairs": len(eval_y), "steps": step,
               "train_time_s": time.time() - t0, "target": target, "history": history,
