@@ -16,8 +16,9 @@ def _register() -> None:
     from backend.dispatch import cli as dispatch_cli
     from dashboard import cli as dashboard_cli
     from trainer import cli as trainer_cli
+    from trainer.placement import cli as placement_cli
 
-    for module in (cli_service, dispatch_cli, local_stack, trainer_cli, dashboard_cli):
+    for module in (cli_service, dispatch_cli, local_stack, trainer_cli, dashboard_cli, placement_cli):
         module.register(app)
 
 

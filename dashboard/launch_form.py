@@ -72,6 +72,7 @@ FORM_FIELDS: tuple[FormField, ...] = (
     _field("rollout.engine", "Rollout engine", "select"),
     _field("rollout.n", "Responses per prompt", "int"),
     _field("rollout.max_new_tokens", "Max new tokens", "int"),
+    _field("rollout.kv_cache_gb", "KV cache (GB, CPU)", "float"),
     _field("placement.mode", "Placement", "select"),
     _field("placement.devices", "Devices", "int"),
     _field("controller.mode", "Controller", "select"),

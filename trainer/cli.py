@@ -24,9 +24,11 @@ def register(app: typer.Typer) -> None:
         """Train standalone on a local Ray (started when none is running)."""
         from trainer.config import ConfigError, load_config
         from trainer.entry import format_step, run_training
+        from trainer.placement.memory import check_memory
 
         try:
             cfg = load_config(config, set_ or [])
+            check_memory(cfg, probe_gpu=True)  # refuse a placement that cannot fit, before Ray
         except ConfigError as exc:
             for path, msg in exc.errors:
                 typer.echo(f"config error: {path or '<top>'}: {msg}", err=True)
@@ -56,18 +58,24 @@ def register(app: typer.Typer) -> None:
     @app.command("make-tiny-model")
     def make_tiny_model_cmd(
         out_dir: Annotated[Path, typer.Argument(help="Directory to create.")],
-        preset: Annotated[str, typer.Option("--preset", help="nano | micro | small")] = "micro",
+        preset: Annotated[str, typer.Option("--preset", help="nano | micro | small | reward")] = "micro",
         config: Annotated[Path | None, typer.Option(
             "--config", help="Train the tokenizer on this config's task (default: arithmetic).")] = None,
         seed: Annotated[int, typer.Option("--seed")] = 0,
+        time_budget_s: Annotated[float, typer.Option(
+            "--time-budget-s", help="reward: stop training after this long if not yet accurate.")] = 240.0,
     ) -> None:
-        """Build a small random-init causal LM with a tokenizer trained on the task's text."""
+        """Build a small random-init causal LM with a tokenizer trained on the task's text, or
+        (`--preset reward`) train a small reward model that agrees with exact match."""
         from trainer.config import TrainerConfig, load_config
         from trainer.data import task_text
         from trainer.models import PRESETS, make_tiny_model
 
+        if preset == "reward":
+            _make_reward_model(out_dir, config, seed, time_budget_s)
+            return
         if preset not in PRESETS:
-            typer.echo(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}", err=True)
+            typer.echo(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}, reward", err=True)
             raise typer.Exit(2)
         cfg = load_config(config) if config else TrainerConfig()
         try:
@@ -76,3 +84,26 @@ def register(app: typer.Typer) -> None:
             typer.echo(str(exc), err=True)
             raise typer.Exit(1) from None
         typer.echo(f"built {preset} model at {path}")
+
+
+def _make_reward_model(out_dir: Path, config: Path | None, seed: int, time_budget_s: float) -> None:
+    from trainer.config import TrainerConfig, load_config
+    from trainer.rewards.tiny_reward_model import make_reward_model
+
+    cfg = load_config(config) if config else TrainerConfig()
+    if cfg.data.task != "arithmetic" or cfg.data.path is not None:
+        typer.echo("--preset reward trains on the built-in arithmetic task only", err=True)
+        raise typer.Exit(2)
+    a = cfg.data.arithmetic
+    try:
+        report = make_reward_model(out_dir, digits=a.digits, ops=tuple(a.ops), seed=seed,
+                                   time_budget_s=time_budget_s, log=typer.echo)
+    except FileExistsError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    agree = report["held_out_agreement"]
+    typer.echo(f"built reward model at {out_dir}: agrees with exact match on {agree:.1%} of "
+               f"{report['held_out_pairs']} held-out pairs after {report['steps']} steps "
+               f"({report['train_time_s']:.0f}s)")
+    if agree < 0.95:
+        typer.echo("warning: below 95% agreement; rerun with a larger --time-budget-s", err=True)

@@ -170,6 +170,10 @@ class PlacementConfig(_Group):
     )
     staleness: int = Field(1, ge=0, description="Max policy versions a rollout may lag.")
     cpus_per_device: float = Field(1.0, gt=0)
+    device_memory_gb: float | None = Field(
+        None, gt=0, description="Memory of one device, for the check before launch; default: "
+        "the GPU's memory, or on CPU the host's RAM divided by the devices."
+    )
 
     @model_validator(mode="after")
     def _split_fits(self) -> PlacementConfig:

@@ -103,6 +103,7 @@ class Driver:
         # bytes of pickled payloads this process received / sent (driver/bytes_* per step)
         self._bytes_in = self._bytes_out = 0
         self._bytes_mark = (0, 0)
+        self._cost_fit: Any = None  # the placement cost model, refitted as steps come in
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -282,6 +283,12 @@ class Driver:
             metrics["driver/bytes_in"] = float(self._bytes_in - self._bytes_mark[0])
             metrics["driver/bytes_out"] = float(self._bytes_out - self._bytes_mark[1])
             metrics["controller/restarts"] = float(self.restarts)
+            if self._cost_fit is None:
+                from trainer.placement.cost_model import OnlineFit
+
+                self._cost_fit = OnlineFit.for_config(self.cfg) or False
+            if self._cost_fit:
+                metrics.update(self._cost_fit.observe(step, metrics))
         self._bytes_mark = (self._bytes_in, self._bytes_out)
         if step > 0 and not self._started_running:
             self._started_running = True

@@ -50,6 +50,7 @@ from backend.runs.schemas import (
 )
 from backend.runs.state import RunState
 from trainer.config import parse_config
+from trainer.placement.memory import check_memory
 
 router = APIRouter()
 
@@ -155,8 +156,11 @@ def create_run(
 
 @router.post("/runs/validate", response_model=ConfigValid, tags=["runs"], responses=_CONFIG_422)
 def validate_config(body: ConfigValidate, principal: Reader) -> ConfigValid:
-    """Check a TrainerConfig without storing anything; returns it with every default filled in."""
-    return ConfigValid(config=parse_config(body.config).model_dump(mode="json"))
+    """Check a TrainerConfig (fields, and whether its placement fits in device memory) without
+    storing anything; returns it with every default filled in."""
+    config = parse_config(body.config)
+    check_memory(config)
+    return ConfigValid(config=config.model_dump(mode="json"))
 
 
 @router.get("/runs", response_model=RunPage, tags=["runs"])

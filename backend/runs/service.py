@@ -33,6 +33,7 @@ from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEven
 from backend.runs.schemas import CheckpointIn, EventIn, RunCreate
 from backend.runs.state import TERMINAL, IllegalTransition, RunState, check_transition
 from trainer.config import parse_config
+from trainer.placement.memory import check_memory
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,7 @@ def create_run(
                 )
             return existing, False
     config = parse_config(run_in.config)  # raises ConfigError naming the field paths
+    check_memory(config)  # a placement that cannot fit is refused before anything is stored
     exp = get_or_create_experiment(
         db_session=db_session, project_id=principal.project_id, name=run_in.experiment
     )

@@ -302,6 +302,19 @@ def test_launch_clicked_twice_in_one_visit_makes_one_run(as_admin: SeededApi, cl
     assert len(runs) == 2
 
 
+def test_launch_shows_a_placement_that_cannot_fit_beside_the_kv_cache_field(as_admin: SeededApi) -> None:
+    at = _open("views/launch.py")
+    at.selectbox(key="l_source").set_value("paste YAML").run()
+    at.text_area(key="l_yaml_paste").set_value(
+        "model:\n  path: /nonexistent/arith-micro\n  preset: micro\nrollout:\n  kv_cache_gb: 6\n"
+        "placement:\n  devices: 2\n  device_type: cpu\n  device_memory_gb: 3\n").run()
+    assert next(w for w in at.number_input if w.label == "KV cache (GB, CPU)").value == 6
+    at.button[0].click().run()  # Validate
+    _no_exception(at)
+    beside = [e.value for e in at.error if not e.value.startswith("`")]
+    assert any("does not fit" in e and "rollout.kv_cache_gb ≤" in e for e in beside)
+
+
 def test_launch_validates_a_ready_config(as_admin: SeededApi) -> None:
     at = _open("views/launch.py")
     assert at.selectbox(key="l_source").value == "demo-arithmetic.yaml"

@@ -1,0 +1,78 @@
+"""The memory estimate before launch: a real model's parameter count, and refusals that name the
+field to change (CLI here; the HTTP 422 is in tests/integration/test_placement_api.py)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from backend.cli import app
+from trainer.config import ConfigError, parse_config
+from trainer.placement.memory import GiB, ModelShape, check_memory, estimate_memory, model_shape
+
+
+def test_shape_from_config_counts_the_parameters_of_the_real_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.models import make_tiny_model
+
+    out = make_tiny_model(tmp_path / "micro", "micro", ["1+2=3", "40+2=42"])
+    import json
+
+    shape = ModelShape.from_config(json.loads((out / "config.json").read_text()))
+    assert shape.params == AutoModelForCausalLM.from_pretrained(out).num_parameters()
+    cfg = parse_config({"model": {"path": str(out)}})
+    assert model_shape(cfg) == shape
+
+
+def _cfg(**placement):
+    return parse_config({"model": {"path": "/nonexistent/arith-micro", "preset": "micro"},
+                         "rollout": {"kv_cache_gb": placement.pop("kv", 1.0)},
+                         "algorithm": {"kl_coef": 0.05},
+                         "placement": {"devices": 2, "device_type": "cpu", **placement}})
+
+
+def test_estimate_puts_each_role_on_its_devices():
+    colo = estimate_memory(_cfg(mode="colocate", device_memory_gb=8))
+    dis = estimate_memory(_cfg(mode="disaggregated", device_memory_gb=8))
+    assert colo is not None and dis is not None
+    assert set(colo.devices) == {"train+rollout"} and set(dis.devices) == {"train", "rollout"}
+    assert "kv_cache" in dis.devices["rollout"] and "kv_cache" not in dis.devices["train"]
+    assert "reference" in dis.devices["train"] and "optimizer" in dis.devices["train"]
+    assert colo.peak_bytes > dis.peak_bytes
+    assert colo.parts["kv_cache"] == 1.0 * GiB
+
+
+def test_a_placement_that_cannot_fit_is_refused_naming_what_would_fit():
+    with pytest.raises(ConfigError) as err:
+        check_memory(_cfg(mode="colocate", device_memory_gb=3, kv=4))
+    paths = [p for p, _ in err.value.errors]
+    assert paths[0] == "rollout.kv_cache_gb"
+    assert "does not fit" in err.value.errors[0][1] and "rollout.kv_cache_gb ≤" in err.value.errors[0][1]
+    # the suggested value really fits
+    suggested = float(err.value.errors[0][1].split("≤ ")[1].split()[0])
+    assert check_memory(_cfg(mode="colocate", device_memory_gb=3, kv=suggested)).fits
+    # colocate that is just too big fits once training and rollout take separate devices
+    colo = estimate_memory(_cfg(mode="colocate", device_memory_gb=8, kv=0.6))
+    dis = estimate_memory(_cfg(mode="disaggregated", device_memory_gb=8, kv=0.6))
+    between = (colo.peak_bytes + dis.peak_bytes) / 2 / GiB
+    with pytest.raises(ConfigError) as err2:
+        check_memory(_cfg(mode="colocate", device_memory_gb=between, kv=0.6))
+    assert "placement.mode" in [p for p, _ in err2.value.errors]
+    assert check_memory(_cfg(mode="disaggregated", device_memory_gb=between, kv=0.6)).fits
+
+
+def test_unknown_model_shape_is_not_refused():
+    cfg = parse_config({"model": {"path": "some-org/not-downloaded"},
+                        "placement": {"device_memory_gb": 0.001}})
+    assert check_memory(cfg) is None
+
+
+def test_yatt_train_refuses_before_starting(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  path: /nonexistent/m\n  preset: micro\nplacement:\n  devices: 2\n"
+                   "  device_type: cpu\n  device_memory_gb: 2\nrollout:\n  kv_cache_gb: 8\n")
+    result = CliRunner().invoke(app, ["train", str(cfg), "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert "config error: rollout.kv_cache_gb:" in result.output and "would fit" in result.output
+    assert not (tmp_path / "run").exists()

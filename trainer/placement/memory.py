@@ -1,0 +1,296 @@
+"""Peak memory per device before launch: will this placement fit?
+
+From the model's shape (config.json: layers, hidden, intermediate, vocab, heads), the algorithm
+(reference for KL, critic for PPO), the optimizer (AdamW: two states per parameter), the dtype,
+the rollout settings (KV cache: ``rollout.kv_cache_gb`` on CPU, ``gpu_memory_utilization`` on a
+GPU), a reward model, and the placement (which roles share a device), estimate the peak bytes
+of the busiest device and compare it with the device's memory: ``placement.device_memory_gb``
+when set, else the GPU's memory, else (CPU) the host's RAM divided by the devices.
+
+`check_memory` raises ConfigError naming the field to change and saying what would fit. The
+per-process runtime terms (a Python process with torch; a vLLM engine) are calibrated from peak
+RSS measured on this machine (docs/placement.md); a GPU adds its CUDA context instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.config import ConfigError, TrainerConfig
+
+__all__ = ["MemoryEstimate", "ModelShape", "check_memory", "device_memory_bytes",
+           "estimate_memory", "model_shape"]
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Resident size of a process apart from its models, measured here (docs/placement.md): a Ray
+# actor with torch, transformers, the task's data and gloo (a training-only controller peaked at
+# 0.65 GiB), and what an in-process vLLM engine adds besides its KV cache (a rollout worker
+# peaked at 1.84 GiB with a 1 GiB KV cache). vLLM's CPU KV cache is resident in full: an engine
+# with 3 GiB peaked exactly 2.0 GiB above one with 1 GiB.
+CPU_PROCESS_BYTES = 0.60 * GiB
+CPU_VLLM_ENGINE_BYTES = 0.25 * GiB
+GPU_CONTEXT_BYTES = 1.0 * GiB  # CUDA context, cuBLAS workspace, NCCL buffers
+# Activation bytes kept for backward, per token, per layer, per hidden unit (fp32 eager attention,
+# no checkpointing; Korthikanti et al. 2022 count ~34 bytes/hidden/token at 16-bit).
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 64
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    tied: bool = True
+
+    @property
+    def params(self) -> int:
+        h, kv = self.hidden, self.hidden // self.heads * self.kv_heads
+        attn = h * h + 2 * h * kv + h * h + h + 2 * kv  # q, k, v, o (+ q/k/v biases as in Qwen2)
+        mlp = 3 * h * self.intermediate  # gate, up, down
+        per_layer = attn + mlp + 2 * h
+        embed = self.vocab * h * (1 if self.tied else 2)
+        return embed + self.layers * per_layer + h
+
+    @classmethod
+    def from_config(cls, c: dict[str, Any]) -> ModelShape:
+        """From an HF config.json (Llama/Qwen/Mistral keys, GPT-2 keys as a fallback)."""
+        h = int(c.get("hidden_size") or c["n_embd"])
+        heads = int(c.get("num_attention_heads") or c.get("n_head") or 1)
+        return cls(layers=int(c.get("num_hidden_layers") or c["n_layer"]), hidden=h,
+                   intermediate=int(c.get("intermediate_size") or c.get("n_inner") or 4 * h),
+                   vocab=int(c["vocab_size"]), heads=heads,
+                   kv_heads=int(c.get("num_key_value_heads") or heads),
+                   tied=bool(c.get("tie_word_embeddings", True)))
+
+
+def _read_shape(path: str | None) -> ModelShape | None:
+    if not path:
+        return None
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return None
+    try:
+        return ModelShape.from_config(json.loads(f.read_text()))
+    except (KeyError, ValueError, TypeError, json.JSONDecodeError):
+        return None
+
+
+def model_shape(cfg: TrainerConfig) -> ModelShape | None:
+    """The policy's shape: its config.json, else the preset it will be built from, else None."""
+    shape = _read_shape(cfg.model.path)
+    if shape is None and cfg.model.preset is not None:
+        from trainer.models import PRESETS
+
+        p = PRESETS[cfg.model.preset]
+        shape = ModelShape(layers=p.layers, hidden=p.hidden, intermediate=p.intermediate,
+                           vocab=p.bpe_vocab, heads=p.heads, kv_heads=p.kv_heads)
+    return shape
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on the busiest device, by part, and what each kind of device holds."""
+
+    device_type: str
+    peak_bytes: float
+    available_bytes: float | None
+    parts: dict[str, float]  # the busiest device's parts
+    devices: dict[str, dict[str, float]] = field(default_factory=dict)  # role → parts
+
+    @property
+    def fits(self) -> bool:
+        return self.available_bytes is None or self.peak_bytes <= self.available_bytes
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.parts.items() if v >= 0.005 * GiB)
+        avail = (f"{self.available_bytes / GiB:.2f} GiB available" if self.available_bytes
+                 else "device memory unknown")
+        return f"estimated peak {self.peak_bytes / GiB:.2f} GiB per device ({parts}) vs {avail}"
+
+
+def device_memory_bytes(cfg: TrainerConfig, device_type: str, *, probe_gpu: bool = False) -> float | None:
+    """Memory of one device: the config's figure, else the GPU's (when probing is allowed), else
+    on CPU the host's RAM split evenly over the devices; None when unknown."""
+    if cfg.placement.device_memory_gb is not None:
+        return cfg.placement.device_memory_gb * GiB
+    if device_type == "gpu":
+        if probe_gpu:
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    return float(torch.cuda.get_device_properties(0).total_memory)
+            except Exception:
+                return None
+        return None
+    import psutil
+
+    return psutil.virtual_memory().total / cfg.placement.devices
+
+
+def _resolved_device_type(cfg: TrainerConfig) -> str:
+    if cfg.placement.device_type != "auto":
+        return cfg.placement.device_type
+    try:
+        import torch  # noqa: F401 — only asked when already importable cheaply
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    except Exception:
+        return "cpu"
+
+
+def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
+                    available_bytes: float | None = None,
+                    shape: ModelShape | None = None) -> MemoryEstimate | None:
+    """Peak bytes per device for `cfg`'s placement; None when the model's shape is unknown (a hub
+    id not downloaded yet)."""
+    shape = shape or model_shape(cfg)
+    if shape is None:
+        return None
+    dt = device_type or _resolved_device_type(cfg)
+    wb = DTYPE_BYTES[cfg.model.dtype]
+    P = shape.params
+    weights = P * wb
+    algo = cfg.algorithm
+    train: dict[str, float] = {
+        "policy": weights,
+        "gradients": weights,
+        "optimizer": 2 * weights,  # AdamW's two moments, in the parameters' dtype
+    }
+    if algo.kl_coef > 0 and algo.name != "sft":
+        train["reference"] = weights
+    if algo.name == "ppo":
+        train["critic"] = 4 * weights
+    seq = _seq_tokens(cfg)
+    mb = min(cfg.train.micro_batch_size, cfg.train.batch_size * cfg.rollout.n)
+    train["activations"] = mb * seq * (shape.layers * shape.hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER
+                                       + 3 * shape.vocab * 4)  # logits, log-softmax, grad, fp32
+    if cfg.reward.kind == "model":
+        rm = _read_shape(cfg.reward.model_path)
+        if rm is not None:
+            train["reward_model"] = rm.params * 4.0
+    sampler: dict[str, float] = {}
+    if dt == "gpu":
+        avail = available_bytes if available_bytes is not None else device_memory_bytes(cfg, dt)
+        # vLLM takes this share of the device for weights, activations and its KV cache
+        sampler["sampler"] = (cfg.rollout.gpu_memory_utilization * avail) if avail else weights
+        runtime = {"runtime": GPU_CONTEXT_BYTES}
+        engine_runtime = 0.0
+    else:
+        sampler["sampler_weights"] = weights
+        sampler["kv_cache"] = cfg.rollout.kv_cache_gb * GiB
+        runtime = {"runtime": CPU_PROCESS_BYTES}
+        engine_runtime = CPU_VLLM_ENGINE_BYTES if cfg.rollout.engine == "vllm" else 0.0
+    if engine_runtime:
+        sampler["engine_runtime"] = engine_runtime
+    if cfg.rollout.engine == "hf" and dt == "cpu":
+        sampler = {"sampler_weights": weights,
+                   "kv_cache": _hf_kv_bytes(shape, cfg, wb)}
+    devices: dict[str, dict[str, float]] = {}
+    mode = cfg.placement.mode
+    if mode == "disaggregated":
+        devices["train"] = {**runtime, **train}
+        devices["rollout"] = {**runtime, **sampler}
+    else:  # colocate, partial_colocate, auto (as colocate: the plan that holds the most)
+        devices["train+rollout"] = {**runtime, **train, **sampler}
+        if cfg.controller.mode == "single" and cfg.placement.devices > 1:
+            devices["rollout"] = {**runtime, **sampler}
+    role, parts = max(devices.items(), key=lambda kv: sum(kv[1].values()))
+    avail = available_bytes if available_bytes is not None else device_memory_bytes(cfg, dt)
+    return MemoryEstimate(device_type=dt, peak_bytes=sum(parts.values()), available_bytes=avail,
+                          parts=parts, devices=devices)
+
+
+def _seq_tokens(cfg: TrainerConfig) -> int:
+    # prompts of the built-in task are short; a file's prompts are bounded by the context
+    prompt = 4 * cfg.data.arithmetic.digits + 4 if cfg.data.path is None else 512
+    return prompt + cfg.rollout.max_new_tokens
+
+
+def _hf_kv_bytes(shape: ModelShape, cfg: TrainerConfig, wb: int) -> float:
+    seqs = cfg.train.batch_size * cfg.rollout.n
+    head_dim = shape.hidden // shape.heads
+    return 2.0 * shape.layers * shape.kv_heads * head_dim * wb * _seq_tokens(cfg) * seqs
+
+
+def _with(cfg: TrainerConfig, **changes: Any) -> TrainerConfig | None:
+    """`cfg` with dotted-path changes, or None when that config does not validate."""
+    from trainer.config import parse_config
+
+    data = cfg.model_dump()
+    for path, value in changes.items():
+        node = data
+        *head, last = path.split("__")
+        for part in head:
+            node = node[part]
+        node[last] = value
+    try:
+        return parse_config(data)
+    except ConfigError:
+        return None
+
+
+def check_memory(cfg: TrainerConfig, *, probe_gpu: bool = False) -> MemoryEstimate | None:
+    """Raise ConfigError when the busiest device cannot hold its roles; the errors name the
+    fields to change (first the most direct one) and what value of each would fit."""
+    dt = _resolved_device_type(cfg) if probe_gpu else (
+        "cpu" if cfg.placement.device_type == "auto" else cfg.placement.device_type)
+    avail = device_memory_bytes(cfg, dt, probe_gpu=probe_gpu)
+    shape = model_shape(cfg)
+    est = estimate_memory(cfg, device_type=dt, available_bytes=avail, shape=shape)
+    if est is None or est.fits or avail is None:
+        return est
+    over = est.peak_bytes - avail
+    head = f"{est.describe()}: does not fit"
+    fixes: list[tuple[str, str]] = []
+    p = cfg.placement
+
+    def fits(alt: TrainerConfig | None, available: float | None = avail) -> bool:
+        if alt is None:
+            return False
+        e = estimate_memory(alt, device_type=dt, available_bytes=available, shape=shape)
+        return e is not None and e.fits
+
+    if dt == "cpu" and cfg.rollout.engine == "vllm":
+        kv = cfg.rollout.kv_cache_gb - over / GiB
+        kv = math.floor(kv * 10) / 10
+        if kv >= 0.1:
+            fixes.append(("rollout.kv_cache_gb", f"rollout.kv_cache_gb ≤ {kv:g} would fit"))
+    if dt == "gpu":
+        util = math.floor((cfg.rollout.gpu_memory_utilization - over / avail) * 100) / 100
+        if util >= 0.05:
+            fixes.append(("rollout.gpu_memory_utilization",
+                          f"rollout.gpu_memory_utilization ≤ {util:g} would fit"))
+    if p.mode != "disaggregated" and p.devices >= 2 and fits(_with(cfg, placement__mode="disaggregated")):
+        fixes.append(("placement.mode", "placement.mode=disaggregated would fit (training and "
+                      "rollout on separate devices)"))
+    if cfg.model.dtype == "float32" and fits(_with(cfg, model__dtype="bfloat16")):
+        fixes.append(("model.dtype", "model.dtype=bfloat16 would fit"))
+    if dt == "cpu" and p.device_memory_gb is None and p.devices > 1:
+        import psutil
+
+        total = psutil.virtual_memory().total
+        for d in range(p.devices - 1, 0, -1):
+            alt = _with(cfg, placement__devices=d)
+            if alt is not None and fits(alt, total / d):
+                fixes.append(("placement.devices", f"placement.devices={d} would fit (each CPU "
+                              f"device gets {total / d / GiB:.1f} GiB of the host's RAM)"))
+                break
+    if cfg.train.micro_batch_size > 1 and est.parts.get("activations", 0) > over:
+        fixes.append(("train.micro_batch_size", "a smaller train.micro_batch_size would fit"))
+    if not fixes:
+        fixes.append(("placement.device_memory_gb" if p.device_memory_gb is not None
+                      else "placement.devices",
+                      "no single change found that fits; use a smaller model or larger devices"))
+    path0, fix0 = fixes[0]
+    errors = [(path0, f"{head}; {fix0}")]
+    errors += [(path, fix) for path, fix in fixes[1:]]
+    raise ConfigError(errors)

@@ -1,0 +1,153 @@
+"""A tiny reward model for the arithmetic task (`yatt make-tiny-model DIR --preset reward`).
+
+A Qwen2-style sequence classifier (one logit: "this answer is right"), with the same byte-level
+tokenizer as the tiny policies, trained on (prompt, response) pairs labelled by `exact_match`:
+half the responses are right, half are wrong in the ways a policy is wrong (off by one or ten,
+a dropped or extra digit, a swapped pair of digits, a random number, no number). It trains
+until it agrees with exact match on ≥ `target` of held-out pairs (problems never seen in
+training) or its time runs out, and writes what it reached to `reward_model.json`.
+`reward.kind: model` with `reward.model_path: DIR` scores with it (trainer/rewards/model.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["corrupt", "labelled_pairs", "make_reward_model"]
+
+
+def corrupt(answer: str, rng: random.Random) -> str:
+    """A wrong response to a question whose answer is `answer` (a non-negative integer)."""
+    v = int(answer)
+    for _ in range(10):
+        kind = rng.randrange(7)
+        if kind == 0:
+            out = str(v + rng.choice([-1, 1, -2, 2]))
+        elif kind == 1:
+            out = str(v + rng.choice([-10, 10, -100, 100]))
+        elif kind == 2 and len(answer) > 1:
+            i = rng.randrange(len(answer))
+            out = answer[:i] + answer[i + 1 :]
+        elif kind == 3:
+            i = rng.randrange(len(answer) + 1)
+            out = answer[:i] + str(rng.randrange(10)) + answer[i:]
+        elif kind == 4 and len(answer) > 1:
+            i = rng.randrange(len(answer) - 1)
+            out = answer[:i] + answer[i + 1] + answer[i] + answer[i + 2 :]
+        elif kind == 5:
+            out = str(rng.randrange(0, 2 * v + 20))
+        else:
+            out = rng.choice(["", " ", "=", "+"])
+        if out.lstrip("-") != answer and out != answer:
+            return out
+    return str(v + 1)
+
+
+def labelled_pairs(examples: list[Any], rng: random.Random, k: int) -> tuple[list[str], list[str], list[float]]:
+    """`k` (prompt, response, exact-match label) triples, half of them right."""
+    from trainer.rewards import exact_match
+
+    prompts, responses, answers = [], [], []
+    for _ in range(k):
+        e = rng.choice(examples)
+        prompts.append(e.prompt)
+        responses.append(e.answer if rng.random() < 0.5 else corrupt(e.answer, rng))
+        answers.append(e.answer)
+    labels = exact_match(prompts, responses, answers)
+    return prompts, responses, labels
+
+
+def make_reward_model(out_dir: str | Path, *, digits: int = 2, ops: tuple[str, ...] = ("+",),
+                      seed: int = 0, time_budget_s: float = 240.0, target: float = 0.97,
+                      batch_size: int = 256, lr: float = 1e-3, hidden: int = 128, layers: int = 4,
+                      log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Train the classifier and save it at `out_dir`; returns what it reached (also written to
+    `reward_model.json`). Raises FileExistsError if `out_dir` exists."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from trainer.config import TrainerConfig
+    from trainer.data import task_text
+    from trainer.data.arithmetic import arithmetic_examples
+    from trainer.models import EOS_TOKEN, PAD_TOKEN, _train_tokenizer
+
+    out = Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    cfg = TrainerConfig.model_validate(
+        {"data": {"arithmetic": {"digits": digits, "ops": list(ops)}}})
+    train, held_out = arithmetic_examples(digits=digits, ops=ops, train_size=cfg.data.arithmetic.train_size,
+                                          eval_size=cfg.data.arithmetic.eval_size, seed=seed)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = _train_tokenizer(task_text(cfg), 1024)
+    tokenizer.padding_side = "right"  # the classifier reads the last real token
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 32,
+                         num_key_value_heads=max(1, hidden // 64),
+                         max_position_embeddings=128, tie_word_embeddings=True, num_labels=1,
+                         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+                         use_sliding_window=False, torch_dtype="float32")
+    model = Qwen2ForSequenceClassification(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    # the sum must be read after the answer: mark the end so the last token is always the same
+    def encode(prompts: list[str], responses: list[str]) -> dict[str, torch.Tensor]:
+        texts = [p + r for p, r in zip(prompts, responses, strict=True)]
+        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+    eval_p, eval_r, eval_y = labelled_pairs(held_out, random.Random(seed + 1), 1024)
+    eval_enc = encode(eval_p, eval_r)
+    eval_labels = torch.tensor(eval_y)
+
+    def agreement() -> float:
+        model.eval()
+        with torch.no_grad():
+            logits = model(**eval_enc).logits[:, 0]
+        model.train()
+        return float(((logits > 0).float() == eval_labels).float().mean())
+
+    t0 = time.time()
+    step, acc, history = 0, 0.0, []
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    while True:
+        p, r, y = labelled_pairs(train, rng, batch_size)
+        logits = model(**encode(p, r)).logits[:, 0]
+        loss = loss_fn(logits, torch.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        over = time.time() - t0 > time_budget_s
+        if step % 100 == 0 or over:
+            acc = agreement()
+            history.append((step, round(time.time() - t0, 1), acc))
+            log(f"reward model step {step} ({time.time() - t0:.0f}s): loss {loss.item():.3f}, "
+                f"held-out agreement {acc:.1%}")
+            if acc >= target or over:
+                break
+    report = {"held_out_agreement": acc, "held_out_pairs": len(eval_y), "steps": step,
+              "train_time_s": time.time() - t0, "target": target, "history": history,
+              "task": {"digits": digits, "ops": list(ops), "seed": seed},
+              "labels": "exact_match of the response against the problem's answer"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "reward_model.json").write_text(json.dumps(report, indent=2))
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
