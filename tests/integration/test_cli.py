@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy import select
 from typer.testing import CliRunner
 
 from backend.auth import service as auth_service
 from backend.cli import app
 from backend.db import Database
 from backend.runs import service as run_service
+from backend.runs.models import Run
 from backend.settings import get_settings
 from tests.conftest import LiveAPI
 
@@ -50,7 +52,10 @@ def finish_runs_in_background(api: LiveAPI, final: str, reason: str | None = Non
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with api.database.session() as s:
-                mine = [r for r in run_service.queued_runs(db_session=s) if r.project_id == _project_id(api)]
+                # this project's own queued runs: the session's shared database may hold more
+                # queued runs of other tests than the dispatcher's first page
+                mine = list(s.scalars(select(Run).where(Run.project_id == _project_id(api),
+                                                        Run.state == "queued").order_by(Run.id)))
                 if mine:
                     rid = mine[0].id
                     for state in ("starting", "running", final):
