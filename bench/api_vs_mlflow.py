@@ -25,7 +25,6 @@ import argparse
 import math
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys
@@ -38,7 +37,8 @@ from typing import Any
 
 import httpx
 import psycopg
-from metric_ingest import PG_ADMIN, ROOT, Api, bodies, free_port, ingest  # same folder
+from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
+from metric_ingest import PG_ADMIN, Api, bodies, free_port, ingest  # same folder
 
 KEYS = ["reward/mean", "loss/policy", "kl/mean", "throughput/tokens_per_s", "time/rollout"]
 SERIES_KEY = "loss/series"
@@ -240,15 +240,8 @@ def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace, rati
     return "\n".join(lines) + "\n"
 
 
-def update_doc(section: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
-    begin, end = "<!-- api_vs_mlflow:begin -->", "<!-- api_vs_mlflow:end -->"
-    block = f"{begin}\n{section}{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if begin in text and end in text:
-        text = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+def update_doc(section: str) -> None:
+    write_section("api_vs_mlflow", section)
 
 
 def main() -> None:

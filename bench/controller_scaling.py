@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {16: [64, 256, 1024, 4096], 256: [64, 256]}
@@ -257,15 +258,8 @@ def markdown(points: list[dict[str, Any]], f: dict[str, float], scale: list[dict
     return "\n".join(lines) + "\n"
 
 
-def update_doc(section: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
-    begin, end = "<!-- controller_scaling:begin -->", "<!-- controller_scaling:end -->"
-    block = f"{begin}\n{section}{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if begin in text and end in text:
-        text = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+def update_doc(section: str) -> None:
+    write_section("controller_scaling", section)
 
 
 def main() -> None:

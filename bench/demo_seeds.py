@@ -21,12 +21,13 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo-arithmetic.yaml"
@@ -141,15 +142,8 @@ def section(rows: list[dict[str, Any]], sets: list[str], started: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_doc(text_block: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
-    begin, end = "<!-- demo_seeds:begin -->", "<!-- demo_seeds:end -->"
-    block = f"{begin}\n{text_block}{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
-    if begin in text and end in text:
-        text = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+def update_doc(text_block: str) -> None:
+    write_section("demo_seeds", text_block)
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import signal
 import socket
 import subprocess
@@ -33,6 +32,7 @@ from typing import Any
 
 import httpx
 import psycopg
+from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -238,15 +238,8 @@ def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> t
     return "\n".join(lines) + "\n", last
 
 
-def update_doc(section: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
-    begin, end = "<!-- history_scale:begin -->", "<!-- history_scale:end -->"
-    block = f"{begin}\n{section}{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
-    if begin in text and end in text:
-        text = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+def update_doc(section: str) -> None:
+    write_section("history_scale", section)
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 import httpx
 import psycopg
+from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_ADMIN = os.environ.get("YATT_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -201,15 +201,8 @@ def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> s
     return "\n".join(lines) + "\n"
 
 
-def update_doc(section: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
-    begin, end = "<!-- metric_ingest:begin -->", "<!-- metric_ingest:end -->"
-    block = f"{begin}\n{section}{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
-    if begin in text and end in text:
-        text = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+def update_doc(section: str) -> None:
+    write_section("metric_ingest", section)
 
 
 def main() -> None:

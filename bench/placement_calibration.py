@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 from pathlib import Path
+
+from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,21 +115,11 @@ def main() -> None:
     out = {"load": load, "modes": table, "params": p.as_metrics(), "step_error": result.step_error}
     (runs / "calibration.json").write_text(json.dumps(out, indent=2))
     if args.write_docs:
-        _write_section(ROOT / "docs" / "benchmarks.md", "placement",
+        write_section("placement",
                        "## Placement cost model and memory estimate at 2 devices\n\n"
                        "Command: `PYTHONPATH=$PWD .venv/bin/python bench/placement_runs.py` then "
                        "`PYTHONPATH=$PWD .venv/bin/python bench/placement_calibration.py`\n\n" + text + "\n")
 
-
-def _write_section(path: Path, name: str, body: str) -> None:
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{body}{end}"
-    if begin in text and end in text:
-        text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _m: block, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 if __name__ == "__main__":

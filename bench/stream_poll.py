@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from statistics import median
 
 import psycopg
+from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -129,15 +129,8 @@ def bench_kind(kind: str, tmp: Path, points: int, repeat: int) -> dict[str, floa
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def update_doc(section: str, path: Path = ROOT / "docs" / "benchmarks.md") -> None:
-    begin, end = "<!-- stream_poll:begin -->", "<!-- stream_poll:end -->"
-    block = f"{begin}\n{section}{end}\n"
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nEach section is written by the script it names.\n\n"
-    if begin in text and end in text:
-        text = re.sub(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+def update_doc(section: str) -> None:
+    write_section("stream_poll", section)
 
 
 def main() -> None:

@@ -28,6 +28,8 @@ import time
 import traceback
 from pathlib import Path
 
+import docs_section  # noqa: E402 (bench/docs_section.py, beside this script)
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / ".yatt" / "models" / "bench-small"
 PROMPTS, N, LR, KL = 4, 8, 1e-4, 0.04
@@ -236,15 +238,7 @@ def plot(curves: dict[str, list[float]], title: str, path: Path) -> None:
 
 
 def write_section(text: str) -> None:
-    doc = ROOT / "docs" / "benchmarks.md"
-    begin, end = f"<!-- {SECTION}:begin -->", f"<!-- {SECTION}:end -->"
-    body = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{text.rstrip()}\n{end}"
-    if begin in body and end in body:
-        body = body[: body.index(begin)] + block + body[body.index(end) + len(end):]
-    else:
-        body = body.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(body)
+    docs_section.write_section(SECTION, text.rstrip() + "\n")
 
 
 def main() -> None:
