@@ -7,6 +7,8 @@ Two data-parallel ranks are two real processes joined by the gloo all-reduce the
 from __future__ import annotations
 
 import socket
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -80,13 +82,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_path):
+def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_path, monkeypatch):
     """Rank 1 has nothing to train at step 1, rank 0 at step 2: with a tight grad clip and a
     critic, any path that skips clipping or the critic step on the empty rank drifts."""
     from safetensors.torch import load_file
 
     cfg_data = _cfg(nano)
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # spawn re-runs the parent's __main__ in each child; after Streamlit's AppTest tests in the
+    # same session that is dashboard/app.py, so the ranks start from a blank main module instead
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, cfg_data, str(nano), outs[r],
