@@ -36,9 +36,9 @@ from statistics import median
 from typing import Any
 
 import httpx
-import psycopg
+from databases import fresh_database  # noqa: E402 (bench/databases.py, beside this script)
 from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
-from metric_ingest import PG_ADMIN, Api, bodies, free_port, ingest  # same folder
+from metric_ingest import Api, bodies, free_port, ingest  # same folder
 
 KEYS = ["reward/mean", "loss/policy", "kl/mean", "throughput/tokens_per_s", "time/rollout"]
 SERIES_KEY = "loss/series"
@@ -260,22 +260,9 @@ def main() -> None:
         for kind in args.databases:
             data_dir = Path(tmp) / kind
             data_dir.mkdir()
-            if kind == "sqlite":
-                results.append(bench_backend(kind, f"sqlite:///{data_dir / 'yatt.db'}",
-                                             f"sqlite:///{data_dir / 'mlflow.db'}", data_dir, args))
-                continue
-            names = [f"yatt_vs_{uuid.uuid4().hex[:8]}", f"mlflow_vs_{uuid.uuid4().hex[:8]}"]
-            with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-                for name in names:
-                    conn.execute(f'CREATE DATABASE "{name}"')
-            try:
-                results.append(bench_backend(kind, f"postgresql+psycopg://postgres@127.0.0.1:5432/{names[0]}",
-                                             f"postgresql+psycopg://postgres@127.0.0.1:5432/{names[1]}",
-                                             data_dir, args))
-            finally:
-                with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-                    for name in names:
-                        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            with fresh_database(kind, data_dir / "yatt.db", prefix="yatt_vs") as yatt_url, \
+                    fresh_database(kind, data_dir / "mlflow.db", prefix="mlflow_vs") as mlflow_url:
+                results.append(bench_backend(kind, yatt_url, mlflow_url, data_dir, args))
     ratio = min(r["ingest"][0]["yatt"] / r["ingest"][0]["mlflow"] for r in results)
     section = write_markdown(results, args, ratio)
     print("\n" + section)

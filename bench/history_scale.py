@@ -24,14 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 import httpx
-import psycopg
+from databases import fresh_database  # noqa: E402 (bench/databases.py, beside this script)
 from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +44,6 @@ from backend.runs import search  # noqa: E402
 from backend.runs.service import _encode_cursor  # noqa: E402
 from bench.history_seed import Seeded, seed_history  # noqa: E402
 
-PG_ADMIN = os.environ.get("YATT_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
 TARGET_MS = 100.0
 SEARCHES = ("gsm8k grpo kl-sweep", "reward hacking")  # a precise search and a broad one
 
@@ -259,18 +257,8 @@ def main() -> None:
         for kind in args.databases:
             data_dir = Path(tmp) / kind
             data_dir.mkdir()
-            if kind == "sqlite":
-                results.append(bench_database(kind, f"sqlite:///{data_dir / 'yatt.db'}", data_dir, args))
-                continue
-            name = f"yatt_hist_{uuid.uuid4().hex[:8]}"
-            with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-                conn.execute(f'CREATE DATABASE "{name}"')
-            try:
-                url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+            with fresh_database(kind, data_dir / "yatt.db", prefix="yatt_hist") as url:
                 results.append(bench_database(kind, url, data_dir, args))
-            finally:
-                with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-                    conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     args.load_end = os.getloadavg()[0]
     section, last = write_markdown(results, args)
     print("\n" + section)

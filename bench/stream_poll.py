@@ -19,11 +19,11 @@ import os
 import sys
 import tempfile
 import time
-import uuid
+from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
 
-import psycopg
+from databases import fresh_database  # noqa: E402 (bench/databases.py, beside this script)
 from docs_section import write_section  # noqa: E402 (bench/docs_section.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +32,6 @@ sys.path.insert(0, str(ROOT))
 from backend.db import Database  # noqa: E402
 from backend.migrate import upgrade  # noqa: E402
 from backend.runs.stream import PAGE, point_rows_after  # noqa: E402
-
-PG_ADMIN = os.environ.get("YATT_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 def seed(db: Database, points: int) -> int:
@@ -84,19 +82,10 @@ def poll_seconds(db: Database, run_id: int, floor: int) -> tuple[float, int]:
 
 
 def bench_kind(kind: str, tmp: Path, points: int, repeat: int) -> dict[str, float]:
-    made: list[str] = []
-
-    def database(label: str) -> Database:
-        if kind == "sqlite":
-            return Database(f"sqlite:///{tmp / f'{kind}-{label}.db'}")
-        name = f"yatt_bench_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        made.append(name)
-        return Database(f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}")
-
-    dbs = {"with index": database("with"), "without": database("without")}
-    try:
+    with ExitStack() as stack:
+        dbs = {label: Database(stack.enter_context(fresh_database(kind, tmp / f"{kind}-{label.split()[0]}.db")))
+               for label in ("with index", "without")}
+        stack.callback(lambda: [db.dispose() for db in dbs.values()])  # runs before the drops
         floors: dict[str, tuple[int, int]] = {}  # label -> (run id, live floor)
         for label, db in dbs.items():
             upgrade(db.url)
@@ -121,12 +110,6 @@ def bench_kind(kind: str, tmp: Path, points: int, repeat: int) -> dict[str, floa
                 assert rows == PAGE, rows
                 times[f"history {label}"].append(seconds)
         return {label: median(ts) for label, ts in times.items()}
-    finally:
-        for db in dbs.values():
-            db.dispose()
-        for name in made:
-            with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def update_doc(section: str) -> None:
