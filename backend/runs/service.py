@@ -146,21 +146,13 @@ def get_or_create_experiment(*, db_session: Session, project_id: int, name: str)
     return exp
 
 
-def list_experiments(*, db_session: Session, project_id: int) -> list[tuple[Experiment, int]]:
-    """A project's experiments with their run counts, oldest first."""
-    counts = (
-        select(Run.experiment_id, func.count().label("n"))  # count(*): an index-only scan
-        .where(Run.project_id == project_id)
-        .group_by(Run.experiment_id)
-        .subquery()
+def list_experiments(*, db_session: Session, project_id: int) -> list[Experiment]:
+    """A project's experiments, oldest first, each with its stored `run_count`."""
+    return list(
+        db_session.scalars(
+            select(Experiment).where(Experiment.project_id == project_id).order_by(Experiment.id)
+        )
     )
-    rows = db_session.execute(
-        select(Experiment, func.coalesce(counts.c.n, 0))
-        .outerjoin(counts, counts.c.experiment_id == Experiment.id)
-        .where(Experiment.project_id == project_id)
-        .order_by(Experiment.id)
-    ).all()
-    return [(exp, int(n)) for exp, n in rows]
 
 
 # --- runs ----------------------------------------------------------------------------------------
