@@ -681,16 +681,11 @@ def compare_runs(
     ):
         keys_by_run[run_id].append(key)
     keys = list(dict.fromkeys(keys))
-    out = []
-    for run_id in wanted:
-        have = [k for k in keys if k in keys_by_run[run_id]]
-        series = (
-            metric_service.series(db_session=db_session, run_id=run_id, keys=have, max_points=max_points)
-            if have
-            else {}
-        )
-        out.append(ComparedRun(found[run_id], keys_by_run[run_id], series))
-    return out
+    have = {run_id: [k for k in keys if k in keys_by_run[run_id]] for run_id in wanted}
+    series = metric_service.series_of_runs(  # every run's series in one go, not a round of queries per run
+        db_session=db_session, keys_by_run={run_id: ks for run_id, ks in have.items() if ks}, max_points=max_points
+    )
+    return [ComparedRun(found[run_id], keys_by_run[run_id], series.get(run_id, {})) for run_id in wanted]
 
 
 # --- events and checkpoints -----------------------------------------------------------------------
