@@ -325,7 +325,7 @@ def series_of_runs(
 
     stored = select(ms.run_id, ms.key, ms.count, step_at(asc), step_at(desc)).where(ms.run_id.in_(run_ids))
     if all(keys for keys in keys_by_run.values()):
-        stored = stored.where(ms.key.in_({k for keys in keys_by_run.values() for k in keys or ()}))
+        stored = stored.where(ms.key.in_(sorted({k for keys in keys_by_run.values() for k in keys or ()})))
     found: dict[Series, tuple[int, int | None, int | None]] = {  # (count, first step, last step)
         (run_id, key): (count, first, last) for run_id, key, count, first, last in db_session.execute(stored)
     }
@@ -424,7 +424,8 @@ def _downsample(
     nonfinite: dict[tuple[Series, int], int] = {}
     for run_id, key, block, lo_v, lo_s, hi_v, hi_s, nf in db_session.execute(
         select(mb.run_id, mb.key, mb.block, mb.min_value, mb.min_step, mb.max_value, mb.max_step, mb.nonfinite_step)
-        .where(mb.run_id.in_({r for r, _ in ranges}), mb.key.in_({k for _, k in ranges}))  # the primary key's prefix
+        # the primary key's prefix: an index scan, where a list of (run, key) pairs is a table scan
+        .where(mb.run_id.in_(sorted({r for r, _ in ranges})), mb.key.in_(sorted({k for _, k in ranges})))
     ):
         s = (run_id, key)
         if s not in ranges:  # a key another of the runs has a long series of
