@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time as _time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import case, delete, func, insert, select, text
+from sqlalchemy import asc, case, delete, desc, func, insert, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from backend.db import utcnow
 from backend.metrics import sort_index
@@ -287,27 +288,6 @@ def summaries(*, db_session: Session, run_id: int) -> list[MetricSummary]:
     )
 
 
-# One index seek per bucket: the first point at or after each bucket's start step. The cost
-# grows with max_points, not with the number of points stored, so a run with a million points
-# answers as fast as one with ten thousand.
-_SAMPLE_SQL = text(
-    """
-    WITH RECURSIVE buckets(i) AS (
-        SELECT CAST(0 AS BIGINT) UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < CAST(:n AS BIGINT)
-    )
-    SELECT p.step, p.value, p.time FROM metric_points p
-    WHERE p.id IN (
-        SELECT (
-            SELECT q.id FROM metric_points q
-            WHERE q.run_id = CAST(:run_id AS INTEGER) AND q.key = CAST(:key AS VARCHAR) AND q.step >= CAST(:lo AS BIGINT) + (buckets.i * CAST(:span AS BIGINT)) / CAST(:n AS BIGINT)
-            ORDER BY q.step LIMIT 1
-        ) FROM buckets
-    )
-    ORDER BY p.step
-    """
-)
-
-
 def _points(rows: Iterable[Any]) -> list[dict[str, Any]]:
     return [{"step": r[0], "value": r[1], "time": r[2]} for r in rows]
 
@@ -319,82 +299,163 @@ def series(
     downsampled so that nothing a person must see disappears: its step range is cut into
     buckets, and each bucket keeps its first point, its lowest and highest values and its
     first non-finite step (null), plus the series' last point. Keys with no points come back
-    empty."""
-    counts = {
-        s.key: s.count
-        for s in db_session.scalars(select(MetricSummary).where(MetricSummary.run_id == run_id))
+    empty; no keys means every key the run has."""
+    return series_of_runs(db_session=db_session, keys_by_run={run_id: keys}, max_points=max_points)[run_id]
+
+
+Series = tuple[int, str]  # (run id, key)
+
+
+def series_of_runs(
+    *, db_session: Session, keys_by_run: Mapping[int, Sequence[str] | None], max_points: int = 1000
+) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    """`series` of several runs at once — {run_id: {key: points}} — in five queries whatever the
+    number of runs and keys (the Compare page's twenty runs cost what one run does)."""
+    ms = MetricSummary
+    run_ids = list(keys_by_run)
+    if not run_ids:
+        return {}
+
+    def step_at(end: Any) -> Any:  # one index seek: a series' first or last step
+        mp = aliased(MetricPoint)
+        return (
+            select(mp.step).where(mp.run_id == ms.run_id, mp.key == ms.key)
+            .order_by(end(mp.step)).limit(1).correlate(ms).scalar_subquery()
+        )
+
+    stored = select(ms.run_id, ms.key, ms.count, step_at(asc), step_at(desc)).where(ms.run_id.in_(run_ids))
+    if all(keys for keys in keys_by_run.values()):
+        stored = stored.where(ms.key.in_(sorted({k for keys in keys_by_run.values() for k in keys or ()})))
+    found: dict[Series, tuple[int, int | None, int | None]] = {  # (count, first step, last step)
+        (run_id, key): (count, first, last) for run_id, key, count, first, last in db_session.execute(stored)
     }
-    wanted = list(dict.fromkeys(keys)) if keys else sorted(counts)
-    out: dict[str, list[dict[str, Any]]] = {}
-    mp = MetricPoint
-    for key in wanted:
-        count = counts.get(key, 0)
-        where = (mp.run_id == run_id, mp.key == key)
-        if count == 0:
-            out[key] = []
-        elif count <= max_points:
-            rows = db_session.execute(select(mp.step, mp.value, mp.time).where(*where).order_by(mp.step))
-            out[key] = _points(rows)
-        else:
-            out[key] = _downsample(db_session, run_id, key, max_points)
-    return out
+    wanted = {
+        run_id: list(dict.fromkeys(keys)) if keys else sorted(k for r, k in found if r == run_id)
+        for run_id, keys in keys_by_run.items()
+    }
+    stored_points = [s for s in found if s[1] in wanted[s[0]] and found[s][1] is not None]
+    short = [s for s in stored_points if found[s][0] <= max_points]
+    long = [s for s in stored_points if found[s][0] > max_points]
+    points: dict[Series, list[dict[str, Any]]] = {s: [] for s in short}
+    if short:
+        short_rows, params = _rows_param(db_session, "s", {"run_id": "integer", "key": "varchar"}, short)
+        every_point = _points_join(db_session, "q.run_id = s.run_id AND q.key = s.key", first_only=False)
+        for run_id, key, *point in db_session.execute(
+            text(f"SELECT s.run_id, s.key, p.step, p.value, p.time FROM {short_rows} {every_point} "
+                 "ORDER BY s.run_id, s.key, p.step"),
+            params,
+        ).all():
+            points[(run_id, key)].append({"step": point[0], "value": point[1], "time": point[2]})
+    if long:
+        points.update(_downsample(db_session, {s: (found[s][1] or 0, found[s][2] or 0) for s in long}, max_points))
+    return {run_id: {k: points.get((run_id, k), []) for k in keys} for run_id, keys in wanted.items()}
+
+
+def _rows_param(db_session: Session, name: str, columns: Mapping[str, str], rows: Sequence[tuple[Any, ...]]) -> tuple[str, dict[str, Any]]:
+    """A FROM item `name` with `columns` ({column: SQL type}) holding `rows`, and its parameters:
+    one array per column on PostgreSQL (unnest), one JSON text on SQLite (json_each). The
+    statement's text is the same for any number of rows, so it is parsed once and cached,
+    where thousands of bound VALUES cost more to send than the query costs to run."""
+    if db_session.get_bind().dialect.name == "postgresql":
+        arrays = ", ".join(f"CAST(:{name}_{column} AS {kind}[])" for column, kind in columns.items())
+        return (
+            f"unnest({arrays}) AS {name}({', '.join(columns)})",
+            {f"{name}_{column}": [row[i] for row in rows] for i, column in enumerate(columns)},
+        )
+    cells = ", ".join(f"json_extract(value, '$[{i}]') AS {column}" for i, column in enumerate(columns))
+    return f"(SELECT {cells} FROM json_each(:{name})) AS {name}", {name: json.dumps(list(rows))}
+
+
+def _points_join(db_session: Session, condition: str, first_only: bool = True) -> str:
+    """A join clause that adds `p`: the points of `metric_points q` meeting `condition` (with
+    `first_only`, the first in step order), found through the (run, key, step) index for each
+    outer row: a LATERAL subquery on PostgreSQL, whose planner would rather hash the whole
+    table than seek a few thousand times; a plain join on SQLite, which has no LATERAL and
+    seeks anyway."""
+    if db_session.get_bind().dialect.name == "postgresql":
+        limit = " ORDER BY q.step LIMIT 1" if first_only else ""
+        return f"CROSS JOIN LATERAL (SELECT q.step, q.value, q.time FROM metric_points q WHERE {condition}{limit}) p"
+    if first_only:
+        return f"JOIN metric_points p ON p.id = (SELECT q.id FROM metric_points q WHERE {condition} ORDER BY q.step LIMIT 1)"
+    return f"JOIN metric_points p ON {condition.replace('q.', 'p.')}"
 
 
 # Which points a downsampled series keeps first when the budget is tight (lower first).
 _LAST, _NONFINITE, _MAX, _MIN, _FIRST = range(5)
 
 
-def _downsample(db_session: Session, run_id: int, key: str, max_points: int) -> list[dict[str, Any]]:
-    mp, mb = MetricPoint, MetricBlock
-    where = (mp.run_id == run_id, mp.key == key)
-    # two index seeks; SQLite would scan the whole series for min() and max() together
-    lo = db_session.execute(select(mp.step).where(*where).order_by(mp.step).limit(1)).scalar_one()
-    last = db_session.execute(
-        select(mp.step, mp.value, mp.time).where(*where).order_by(mp.step.desc()).limit(1)
-    ).one()
-    span = last[0] - lo + 1
+def _downsample(
+    db_session: Session, ranges: Mapping[Series, tuple[int, int]], max_points: int
+) -> dict[Series, list[dict[str, Any]]]:
+    """Downsample every series in `ranges` ({series: (first step, last step)}) at once."""
+    mb = MetricBlock
     n = max(1, (max_points - 1) // 4)
-    keep: dict[int, tuple[int, dict[str, Any]]] = {}
+    spans = {s: last - lo + 1 for s, (lo, last) in ranges.items()}
+    keep: dict[Series, dict[int, tuple[int, dict[str, Any]]]] = {s: {} for s in ranges}
 
-    def offer(priority: int, point: dict[str, Any]) -> None:
-        held = keep.get(point["step"])
+    def offer(s: Series, priority: int, point: dict[str, Any]) -> None:
+        held = keep[s].get(point["step"])
         if held is None or priority < held[0]:
-            keep[point["step"]] = (priority, point)
+            keep[s][point["step"]] = (priority, point)
 
-    for p in _points(
-        db_session.execute(_SAMPLE_SQL, {"n": n, "run_id": run_id, "key": key, "lo": lo, "span": span})
-    ):
-        offer(_FIRST, p)
-    offer(_LAST, {"step": last[0], "value": last[1], "time": last[2]})
+    # the first point at or after each bucket's start: one index seek per bucket, so the cost
+    # grows with max_points, not with the points stored
+    series, params = _rows_param(
+        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "span": "bigint"},
+        [(*s, ranges[s][0], spans[s]) for s in ranges],
+    )
+    first_in_bucket = _points_join(
+        db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + (b.i * s.span) / CAST(:n AS BIGINT)"
+    )
+    for run_id, key, *point in db_session.execute(
+        text(f"""
+        WITH RECURSIVE buckets(i) AS (
+            SELECT CAST(0 AS BIGINT) UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < CAST(:n AS BIGINT)
+        )
+        SELECT s.run_id, s.key, p.step, p.value, p.time FROM {series} CROSS JOIN buckets b {first_in_bucket}
+        """),
+        {"n": n, **params},
+    ).all():
+        offer((run_id, key), _FIRST, {"step": point[0], "value": point[1], "time": point[2]})
 
     # extremes per bucket, from the per-block extremes (never from the raw series)
-    lows: dict[int, tuple[float, int | None]] = {}
-    highs: dict[int, tuple[float, int | None]] = {}
-    nonfinite: dict[int, int] = {}
-    for block, lo_v, lo_s, hi_v, hi_s, nf in db_session.execute(
-        select(mb.block, mb.min_value, mb.min_step, mb.max_value, mb.max_step, mb.nonfinite_step)
-        .where(mb.run_id == run_id, mb.key == key)
+    lows: dict[tuple[Series, int], tuple[float, int | None]] = {}
+    highs: dict[tuple[Series, int], tuple[float, int | None]] = {}
+    nonfinite: dict[tuple[Series, int], int] = {}
+    for run_id, key, block, lo_v, lo_s, hi_v, hi_s, nf in db_session.execute(
+        select(mb.run_id, mb.key, mb.block, mb.min_value, mb.min_step, mb.max_value, mb.max_step, mb.nonfinite_step)
+        # the primary key's prefix: an index scan, where a list of (run, key) pairs is a table scan
+        .where(mb.run_id.in_(sorted({r for r, _ in ranges})), mb.key.in_(sorted({k for _, k in ranges})))
     ):
-        b = min(n - 1, max(0, (block * BLOCK_STEPS - lo) * n // span))
+        s = (run_id, key)
+        if s not in ranges:  # a key another of the runs has a long series of
+            continue
+        lo, span = ranges[s][0], spans[s]
+        b = (s, min(n - 1, max(0, (block * BLOCK_STEPS - lo) * n // span)))
         if lo_v is not None and (b not in lows or lo_v < lows[b][0]):
             lows[b] = (lo_v, lo_s)
         if hi_v is not None and (b not in highs or hi_v > highs[b][0]):
             highs[b] = (hi_v, hi_s)
         if nf is not None and (b not in nonfinite or nf < nonfinite[b]):
             nonfinite[b] = nf
-    wanted = {s: _MIN for _, s in lows.values() if s is not None}
-    wanted.update({s: _MAX for _, s in highs.values() if s is not None})
-    wanted.update({s: _NONFINITE for s in nonfinite.values()})
-    steps = sorted(wanted)
-    for start in range(0, len(steps), 500):
-        for p in _points(
-            db_session.execute(
-                select(mp.step, mp.value, mp.time).where(*where, mp.step.in_(steps[start : start + 500]))
-            )
-        ):
-            offer(wanted[p["step"]], p)
-    chosen = sorted(keep.values(), key=lambda held: (held[0], held[1]["step"]))[:max_points]
-    return sorted((p for _, p in chosen), key=lambda p: p["step"])
+    wanted: dict[tuple[Series, int], int] = {(s, step): _MIN for (s, _), (_, step) in lows.items() if step is not None}
+    wanted.update({(s, step): _MAX for (s, _), (_, step) in highs.items() if step is not None})
+    wanted.update({(s, step): _NONFINITE for (s, _), step in nonfinite.items()})
+    wanted.update({(s, last): _LAST for s, (_, last) in ranges.items()})
+    wanted_rows, params = _rows_param(
+        db_session, "w", {"run_id": "integer", "key": "varchar", "step": "bigint"}, [(*s, step) for s, step in wanted]
+    )
+    at_step = _points_join(db_session, "q.run_id = w.run_id AND q.key = w.key AND q.step = w.step")
+    for run_id, key, *point in db_session.execute(
+        text(f"SELECT w.run_id, w.key, p.step, p.value, p.time FROM {wanted_rows} {at_step}"), params
+    ).all():
+        s = (run_id, key)
+        offer(s, wanted[(s, point[0])], {"step": point[0], "value": point[1], "time": point[2]})
+    out = {}
+    for s, held in keep.items():
+        chosen = sorted(held.values(), key=lambda h: (h[0], h[1]["step"]))[:max_points]
+        out[s] = sorted((p for _, p in chosen), key=lambda p: p["step"])
+    return out
 
 
 def max_point_id(*, db_session: Session) -> int:
