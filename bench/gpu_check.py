@@ -9,8 +9,9 @@ trained by the trainer's own `Learner` with ``train.strategy: fsdp2`` over a one
 group (NCCL on a GPU, gloo on CPU), bf16 compute with fp32 master weights. Per model it prints
 trained tokens/s (the policy's update and the reference pass together), MFU against the GPU's
 dense bf16 peak, generated tokens/s of `HFEngine` after it loaded the trained weights (streamed,
-one gathered tensor at a time), and the peak device memory of each phase next to the
-pre-launch estimate of `trainer/placement/memory.py`. Without ``--tiny`` it writes its section
+one gathered tensor at a time), the peak device memory of each phase next to the
+pre-launch estimate of `trainer/placement/memory.py`, and the device memory the trainer holds
+before and after `Learner.release_device` (what colocate frees for the sampler). Without ``--tiny`` it writes its section
 of docs/benchmarks.md.
 
 MFU counts model FLOPs only (no recompute): per sequence of ``S`` tokens with ``R`` response
@@ -178,6 +179,12 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) 
         torch.cuda.synchronize()
     train_s = time.time() - t
     train_peak = _peak(device)
+    # colocate: the trainer's state leaves the device while the sampler generates, then returns
+    held = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
+    learner.release_device()
+    released = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
+    learner.reclaim_device()
+    assert math.isfinite(learner.rl_step(_batch(work, 300, work.steps + 1))["loss/total"])
 
     gen_cfg = cfg.model_copy(deep=True)
     gen_cfg.model.dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -204,7 +211,7 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) 
         "mfu": (flops / train_s / peak) if peak else None,
         "gen_tokens_per_s": generated / gen_s, "weight_sync_s": sync_s,
         "train_peak_gib": train_peak, "gen_peak_gib": gen_peak, "est_train_gib": est_train,
-        "est_total_gib": est.peak_bytes / GiB,
+        "est_total_gib": est.peak_bytes / GiB, "held_gib": held, "released_gib": released,
     }
 
 
@@ -216,14 +223,15 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| model | params | trained tok/s | step | MFU | generated tok/s | weight sync | "
-            "peak train / estimate (GiB) | peak generate (GiB) |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---|---:|\n")
+            "peak train / estimate (GiB) | peak generate (GiB) | held → released (GiB) |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|---|\n")
     body = "".join(
         f"| {r['model']} | {r['params'] / 1e6:,.1f}M | {r['train_tokens_per_s']:,.0f} | "
         f"{r['step_s']:.2f} s | {_fmt(r['mfu'] and 100 * r['mfu'], '.1f%')} | "
         f"{r['gen_tokens_per_s']:,.0f} | {r['weight_sync_s']:.2f} s | "
         f"{_fmt(r['train_peak_gib'], '.1f')} / {r['est_train_gib']:.1f} | "
-        f"{_fmt(r['gen_peak_gib'], '.1f')} |\n" for r in rows)
+        f"{_fmt(r['gen_peak_gib'], '.1f')} | "
+        f"{_fmt(r['held_gib'], '.1f')} → {_fmt(r['released_gib'], '.1f')} |\n" for r in rows)
     return head + body
 
 

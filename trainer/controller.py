@@ -236,11 +236,18 @@ class ControllerLoop:
         samples_by_share: list[tuple[list[Any], list[Any], int]] = []
         if pending.local:
             assert self.engine is not None
+            # colocated on a GPU: the trainer's state leaves the device while the sampler generates
+            swap = self.device_type == "gpu" and hasattr(self.engine, "sleep")
             with self.recorder.span("rollout"):
+                if swap:
+                    self.learner.release_device()
                 if hasattr(self.engine, "wake"):
                     self.engine.wake()
                 samples_by_share.append((pending.local,
                                          self.engine.generate([e.prompt for e in pending.local], n), 0))
+                if swap:
+                    self.engine.sleep()
+                    self.learner.reclaim_device()
         for ref, share in zip(pending.refs, pending.shares, strict=True):
             if ref is None:
                 continue

@@ -777,6 +777,36 @@ class Learner:
         """All of `iter_named_weights` at once (one whole copy on CPU)."""
         return dict(self.iter_named_weights())
 
+    # ------------------------------------------------------------------ colocate
+    def release_device(self) -> None:
+        """Move parameters, gradients and optimizer state to host memory (a GPU colocated with a
+        sampler that generates meanwhile); a no-op on a CPU device. Untested without a GPU."""
+        self._move_state("cpu")
+
+    def reclaim_device(self) -> None:
+        """Bring back what `release_device` moved, before the next training pass."""
+        self._move_state(self.device)
+
+    def _move_state(self, where: str | torch.device) -> None:
+        if self.device.type == "cpu":
+            return  # host memory already: nothing to free for the sampler
+        offloaded = self.sharded and self.cfg.train.offload_optimizer  # shards live on the host
+        modules: list[nn.Module] = self._fsdp_roots() if self.sharded else [
+            m for m in (self.policy, self.reference, self.critic) if m is not None]
+        for m in modules:
+            if offloaded and m is not self._forwards.get(id(self.reference)):
+                continue
+            m.to(where)  # FSDP2 re-registers its shards after a move (FSDPModule._apply)
+        if not offloaded:
+            for opt in (self.optimizer, self.critic_opt):
+                for state in (opt.state.values() if opt is not None else ()):
+                    for k, v in state.items():
+                        if isinstance(v, Tensor) and k != "step":
+                            state[k] = v.to(where, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     # ------------------------------------------------------------------ checkpoints
     def full_state_dicts(self) -> dict[str, dict[str, Tensor] | None]:
         """Whole (gathered) state dicts of the policy, reference and critic, on CPU.
