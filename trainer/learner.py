@@ -362,6 +362,15 @@ class Learner:
         if self.critic is not None:
             apply_fsdp(self.critic, _transformer_blocks(self.critic.backbone), self.mesh,
                        param_dtype=dtype, offload=offload)
+        # FSDP2 initializes from the first forward, which must enter through the root: one pass
+        # through each now, since `generate` (evaluation) would start at a block
+        self._idle_passes(1, policy_old=True, reference=True, critic=True)
+        for root in self._fsdp_roots():
+            # FSDP2 leaves a root gathered after forward, for the backward that usually follows;
+            # after a no-grad forward (reference, values, evaluation) none does, and the next
+            # forward would run on the gathered copy from before the optimizer step
+            root.set_reshard_after_forward(True, recurse=False)  # type: ignore[operator]
+            root.reshard()  # type: ignore[operator]
 
     def _fsdp_roots(self) -> list[nn.Module]:
         roots: list[nn.Module] = [self._forwards[id(self.policy)]]
@@ -436,7 +445,7 @@ class Learner:
                                          temperature=temperature)
                 assert ent is not None
                 ((lp.sum() + ent.sum()) * 0.0).backward()
-                if critic:
+                if critic and self.critic is not None:
                     (self._values(ids, attn, index).sum() * 0.0).backward()
                 continue
             with torch.no_grad():
@@ -444,7 +453,7 @@ class Learner:
                     self._logprobs(self.policy, ids, attn, index, temperature=temperature)
                 if reference and self.reference is not None:
                     self._logprobs(self.reference, ids, attn, index, temperature=temperature)
-                if critic:
+                if critic and self.critic is not None:
                     self._values(ids, attn, index)
 
     # ------------------------------------------------------------------ distributed
@@ -703,6 +712,8 @@ class Learner:
 
     def _apply_gradients(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> float:
         """All-reduce, clip and step: the same on every rank, with or without local gradients."""
+        if self.sharded:  # the optimizer's own (sharded) parameters, whatever the module holds now
+            params = [p for g in optimizer.param_groups for p in g["params"]]
         self._all_reduce_grads(params)
         for p in params:
             if p.grad is None:  # a rank with nothing to train still steps on the averaged grads
@@ -750,7 +761,17 @@ class Learner:
             for m in modules:
                 m.reshard()
             root.set_reshard_after_forward(True)
-            root.set_reshard_after_forward(False, recurse=False)  # FSDP2's default for the root
+            # Decoding records a different number of block forwards on each rank; FSDP2 would
+            # plan the next backward's all-gather prefetches from them and the ranks' collectives
+            # would no longer match. Forget them, as after an aborted iteration.
+            if hasattr(root, "reset_iter_state"):  # torch >= 2.13
+                root.reset_iter_state()
+            else:
+                state = root._get_fsdp_state()
+                state._comm_ctx.post_forward_order.clear()
+                for m in modules:
+                    for group in m._get_fsdp_state()._fsdp_param_groups:
+                        group._post_forward_indices.clear()
 
     def _greedy(self, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
         out: list[str] = []

@@ -69,6 +69,8 @@ def _train(rank: int, world: int, port: int, cfg_data: dict, model_dir: str) -> 
     group = DataParallelGroup("127.0.0.1", port, rank, world)
     learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
     vocab = learner.policy.config.vocab_size
+    # evaluation first, as a run does: greedy decoding on a gathered policy, uneven prompt counts
+    assert len(learner.greedy(["1 + 2 ="] * (rank + 1), max_new_tokens=3)) == rank + 1
     metrics = [learner.rl_step(_batch(vocab, rank, step, ROWS[rank][step])) for step in range(STEPS)]
     full = learner.full_state_dicts()  # a collective on every rank
     out: dict = {"metrics": metrics, "sharded": learner.sharded}
