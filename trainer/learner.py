@@ -13,6 +13,13 @@ With ``train.strategy: fsdp2`` the policy, reference and critic are sharded over
 instead (``fully_shard`` block by block, then the root: `apply_fsdp`); every forward and
 backward is then a collective, so every rank runs the same number of them, padding with a
 masked-out micro-batch where it has fewer rows (`_idle_passes`).
+
+FSDP2 on CPU (torch 2.13, gloo), as read in its sources and checked by
+tests/integration/test_learner_fsdp.py: its all-gather (``all_gather_single``) and
+reduce-scatter (``reduce_scatter_single``, ``ReduceOp.AVG`` for fp32/bf16 gradients) run on
+gloo, bf16 mixed precision too, and fp32 results equal the unsharded learner's;
+``CPUOffloadPolicy`` must not pin memory without an accelerator. Its ``DeviceMesh`` needs a
+registered process group and this process's rank, not the default group's (`device_mesh`).
 """
 
 from __future__ import annotations
