@@ -79,20 +79,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _state(module_or_state: Any) -> dict[str, Any]:
+    return module_or_state if isinstance(module_or_state, dict) else module_or_state.state_dict()
+
+
 def save_shared(path: Path, *, policy: Any, tokenizer: Any, optimizer: Any, scheduler: Any,
-                critic: Any = None, critic_opt: Any = None, reference: Any = None) -> None:
-    """Rank 0's part: the policy as an HF directory, and the optimizer state."""
+                critic: Any = None, critic_opt: Any = None, reference: Any = None,
+                policy_state: dict[str, Any] | None = None) -> None:
+    """Rank 0's part: the policy as an HF directory, and the optimizer state.
+
+    ``critic`` and ``reference`` are modules or whole state dicts; ``policy_state`` is the
+    policy's whole state dict when its parameters are sharded (FSDP2). A sharded learner passes
+    ``optimizer=None``: each rank saves its own optimizer shards in ``rank<r>.pt``.
+    """
     if path.exists() and not (path / MARKER).exists():
         shutil.rmtree(path)  # a save that an earlier attempt left half-written
     path.mkdir(parents=True, exist_ok=True)
-    policy.save_pretrained(path / "policy", safe_serialization=True)
+    policy.save_pretrained(path / "policy", state_dict=policy_state, safe_serialization=True)
     tokenizer.save_pretrained(path / "policy")
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    state: dict[str, Any] = {"scheduler": scheduler.state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
     if critic is not None:
-        state["critic"] = critic.state_dict()
-        state["critic_optimizer"] = critic_opt.state_dict()
+        state["critic"] = _state(critic)
+        if critic_opt is not None:
+            state["critic_optimizer"] = critic_opt.state_dict()
     if reference is not None:  # the frozen reference is the policy after warm start, not now
-        state["reference"] = reference.state_dict()
+        state["reference"] = _state(reference)
     torch.save(state, path / "optimizer.pt")
 
 
@@ -115,15 +128,23 @@ def prune(run_dir: str | Path, keep: int) -> None:
 
 
 def load_shared(path: Path, *, optimizer: Any, scheduler: Any, critic: Any = None,
-                critic_opt: Any = None, reference: Any = None) -> None:
+                critic_opt: Any = None, reference: Any = None) -> dict[str, Any]:
+    """Restore rank 0's part into what is given (None: skipped); returns it all as saved.
+
+    The returned dict holds the whole ``reference`` and ``critic`` state dicts, for a learner
+    that loads them itself (sharded modules take their shards of them).
+    """
     state = torch.load(path / "optimizer.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    if optimizer is not None and "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    if critic_opt is not None and "critic_optimizer" in state:
+        critic_opt.load_state_dict(state["critic_optimizer"])
     if critic is not None and "critic" in state:
         critic.load_state_dict(state["critic"])
-        critic_opt.load_state_dict(state["critic_optimizer"])
     if reference is not None and "reference" in state:
         reference.load_state_dict(state["reference"])
+    return state
 
 
 def load_rank(path: Path, rank: int) -> dict[str, Any] | None:
@@ -135,11 +156,13 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def export_final(out: Path, *, policy: Any, tokenizer: Any) -> Path:
-    """Save the final policy as an HF model directory (transformers and vLLM load it)."""
+def export_final(out: Path, *, policy: Any, tokenizer: Any,
+                 state_dict: dict[str, Any] | None = None) -> Path:
+    """Save the final policy as an HF model directory (transformers and vLLM load it);
+    ``state_dict``: its whole weights when the policy's parameters are sharded."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp, safe_serialization=True)
+    policy.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if out.exists():
         shutil.rmtree(out)

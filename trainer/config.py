@@ -119,6 +119,26 @@ class TrainConfig(_Group):
     ppo_epochs: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    strategy: Literal["ddp", "fsdp2"] = Field(
+        "ddp", description="How the training ranks hold the models (verl's `actor.strategy`): "
+        "ddp: a full policy, reference and critic per rank, gradients all-reduced; fsdp2: "
+        "parameters, gradients and optimizer state sharded across the ranks "
+        "(torch.distributed.fsdp.fully_shard, block by block; gloo on CPU, NCCL on GPU).")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype of the training forward and backward. bfloat16 "
+        "keeps float32 master weights and reduces gradients in float32 (FSDP2 "
+        "MixedPrecisionPolicy; autocast with ddp).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward instead of keeping them.")
+    offload_optimizer: bool = Field(
+        False, description="fsdp2 only: keep sharded parameters, gradients and optimizer state in "
+        "CPU memory and step the optimizer there (FSDP2 CPUOffloadPolicy; a no-op on a CPU device).")
+
+    @model_validator(mode="after")
+    def _offload_needs_fsdp2(self) -> TrainConfig:
+        if self.offload_optimizer and self.strategy != "fsdp2":
+            raise ValueError("train.offload_optimizer needs train.strategy=fsdp2")
+        return self
 
 
 class RolloutConfig(_Group):
@@ -231,6 +251,13 @@ class TrainerConfig(_Group):
                 f"train.batch_size={self.train.batch_size} must divide evenly across "
                 f"{ranks} data-parallel controllers"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_runs_in_parallel_controllers(self) -> TrainerConfig:
+        if self.train.strategy == "fsdp2" and self.controller.mode != "parallel":
+            raise ValueError("train.strategy=fsdp2 needs controller.mode=parallel (the "
+                             "single-controller baseline keeps a whole model per rank)")
         return self
 
     @property

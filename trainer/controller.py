@@ -191,10 +191,14 @@ class ControllerLoop:
         self.learner = Learner(cfg, model_dir, device=device, dist_group=self.group)
         if resume is not None:
             lr = self.learner
-            ckpt.load_shared(resume, optimizer=lr.optimizer, scheduler=lr.scheduler,
-                             critic=lr.critic, critic_opt=lr.critic_opt, reference=lr.reference)
+            shared = ckpt.load_shared(resume, optimizer=None if lr.sharded else lr.optimizer,
+                                      scheduler=lr.scheduler, critic_opt=lr.critic_opt)
+            lr.load_full_state_dicts(reference=shared.get("reference"), critic=shared.get("critic"))
             self.state = ckpt.read_trainer_state(resume)
             mine = ckpt.load_rank(resume, self.rank)
+            if lr.sharded:  # each rank's optimizer shards are in its own file
+                assert mine is not None, f"{resume} has no rank{self.rank}.pt: resume with as many ranks"
+                lr.load_optimizer_state_dicts(mine["optimizer_shards"])
             if mine is not None:
                 self.stream.position = mine["position"]
                 self.sampler.load_state_dict(mine["sampling"])
@@ -232,11 +236,18 @@ class ControllerLoop:
         samples_by_share: list[tuple[list[Any], list[Any], int]] = []
         if pending.local:
             assert self.engine is not None
+            # colocated on a GPU: the trainer's state leaves the device while the sampler generates
+            swap = self.device_type == "gpu" and hasattr(self.engine, "sleep")
             with self.recorder.span("rollout"):
+                if swap:
+                    self.learner.release_device()
                 if hasattr(self.engine, "wake"):
                     self.engine.wake()
                 samples_by_share.append((pending.local,
                                          self.engine.generate([e.prompt for e in pending.local], n), 0))
+                if swap:
+                    self.engine.sleep()
+                    self.learner.reclaim_device()
         for ref, share in zip(pending.refs, pending.shares, strict=True):
             if ref is None:
                 continue
@@ -280,6 +291,15 @@ class ControllerLoop:
         if self.engine is None and not self.rollout_workers:
             return
         with self.recorder.span("weight_sync"):
+            if self.engine is not None and not self.rollout_workers:
+                if hasattr(self.engine, "wake"):
+                    self.engine.wake()
+                # streamed: one (gathered, when sharded) tensor at a time, no whole copy
+                stream = self.learner.iter_named_weights()
+                self.engine.update_weights(stream)
+                for _ in stream:  # sharded: every gather must run on every rank, used or not
+                    pass
+                return
             weights = self.learner.named_weights()
             if self.engine is not None:
                 if hasattr(self.engine, "wake"):
@@ -310,8 +330,7 @@ class ControllerLoop:
             res = run_warm_start(self.learner, self.train_examples, ws, rank=self.rank,
                                  world=self.world, seed=self.cfg.seed,
                                  max_new_tokens=self.cfg.rollout.max_new_tokens, emit=self._emit)
-        if self.learner.reference is not None:  # KL is measured from the warmed-up policy
-            self.learner.reference.load_state_dict(self.learner.policy.state_dict())
+        self.learner.sync_reference_to_policy()  # KL is measured from the warmed-up policy
         self.state["warm_start_done"] = True
         self.recorder.take()
         metrics = {"warm_start/time_s": res.time_s, "warm_start/steps": float(res.steps)}
@@ -351,17 +370,22 @@ class ControllerLoop:
         path = ckpt.checkpoint_dir(self.run_dir, step)
         with self.recorder.span("checkpoint"):
             lr = self.learner
+            full = lr.full_state_dicts()  # sharded: every rank gathers, rank 0 keeps
             if self.rank == 0:
                 ckpt.save_shared(path, policy=lr.policy, tokenizer=lr.tokenizer,
-                                 optimizer=lr.optimizer, scheduler=lr.scheduler, critic=lr.critic,
-                                 critic_opt=lr.critic_opt, reference=lr.reference)
+                                 optimizer=None if lr.sharded else lr.optimizer,
+                                 scheduler=lr.scheduler, critic=full["critic"],
+                                 critic_opt=None if lr.sharded else lr.critic_opt,
+                                 reference=full["reference"], policy_state=full["policy"])
             if self.group is not None:
                 self.group.barrier()  # rank 0 created the directory
             # prompts prefetched for later steps are not trained yet: a resume takes them again
             untrained = sum(len(p.prompts) for p in getattr(self, "_prefetch", ()))
-            ckpt.save_rank(path, self.rank, {"position": self.stream.position - untrained,
-                                             "sampling": self.sampler.state_dict(),
-                                             "rng": ckpt.rng_state()})
+            mine = {"position": self.stream.position - untrained,
+                    "sampling": self.sampler.state_dict(), "rng": ckpt.rng_state()}
+            if lr.sharded:
+                mine["optimizer_shards"] = lr.optimizer_state_dicts()
+            ckpt.save_rank(path, self.rank, mine)
             if self.group is not None:
                 self.group.barrier()
             if self.rank == 0:
@@ -470,9 +494,11 @@ class ControllerLoop:
             if step % cfg.checkpoint.every_steps == 0 or last:
                 self._checkpoint(step, {k: v for k, v in metrics.items() if k.startswith("reward/")})
         self._evaluate("end")
-        if self.rank == 0 and cfg.checkpoint.export_final:
-            ckpt.export_final(self.run_dir / "final", policy=self.learner.policy,
-                              tokenizer=self.learner.tokenizer)
+        if cfg.checkpoint.export_final:
+            final = self.learner.full_state_dicts()["policy"]  # sharded: a collective
+            if self.rank == 0:
+                ckpt.export_final(self.run_dir / "final", policy=self.learner.policy,
+                                  tokenizer=self.learner.tokenizer, state_dict=final)
         if self.engine is not None:
             self.engine.close()
         return {"rank": self.rank, "step": self.state["step"], "eval": self.state["eval"]}

@@ -8,13 +8,27 @@ laid out as ``prompt + response`` right-padded to ``L``; per-token tensors are `
 next-token order, with ``mask`` marking the response tokens. Gradients are averaged across the
 data-parallel group (``torch.distributed``) before clipping and the optimizer step, so every
 controller holds the same weights after every step.
+
+With ``train.strategy: fsdp2`` the policy, reference and critic are sharded over the same group
+instead (``fully_shard`` block by block, then the root: `apply_fsdp`); every forward and
+backward is then a collective, so every rank runs the same number of them, padding with a
+masked-out micro-batch where it has fewer rows (`_idle_passes`).
+
+FSDP2 on CPU (torch 2.13, gloo), as read in its sources and checked by
+tests/integration/test_learner_fsdp.py: its all-gather (``all_gather_single``) and
+reduce-scatter (``reduce_scatter_single``, ``ReduceOp.AVG`` for fp32/bf16 gradients) run on
+gloo, bf16 mixed precision too, and fp32 results equal the unsharded learner's;
+``CPUOffloadPolicy`` must not pin memory without an accelerator. Its ``DeviceMesh`` needs a
+registered process group and this process's rank, not the default group's (`device_mesh`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +39,11 @@ from torch import Tensor, nn
 from trainer.algorithms import core as A
 from trainer.config import TrainerConfig
 
-__all__ = ["DataParallelGroup", "Learner", "RLBatch", "ValueModel", "lr_lambda"]
+__all__ = ["DataParallelGroup", "Learner", "RLBatch", "ResponseLogprobs", "ValueModel", "apply_fsdp",
+           "lr_lambda"]
+
+
+_GROUP_IDS = itertools.count()  # process-group names must be unique within a process
 
 
 class DataParallelGroup:
@@ -40,20 +58,39 @@ class DataParallelGroup:
         from datetime import timedelta
 
         import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
 
         timeout = timedelta(seconds=timeout_s)
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.backend = rank, world, backend
         self.store = dist.TCPStore(master_addr, master_port, world, rank == 0, timeout=timeout)
-        prefixed = dist.PrefixStore("yatt-dp", self.store)
-        if backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world)
-        else:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+        # A registered ProcessGroup (not a bare gloo/NCCL backend): FSDP2 and DTensor look their
+        # group up by name. Made like torch's own init_process_group makes one, minus the default.
+        name = f"yatt-dp-{master_port}-{next(_GROUP_IDS)}"
+        self.pg, _ = c10d._new_process_group_helper(world, rank, [], backend, self.store,
+                                                    group_name=name, timeout=timeout)
+        c10d._world.pg_group_ranks[self.pg] = {r: r for r in range(world)}
 
-    def all_reduce(self, t: Tensor) -> Tensor:
-        """Sum `t` over the group, in place."""
-        self.pg.allreduce([t]).wait()
+    def all_reduce(self, t: Tensor, op: str = "sum") -> Tensor:
+        """Reduce `t` over the group in place: ``op`` is "sum" or "max"."""
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        self.pg.allreduce([t], opts).wait()
         return t
+
+    def device_mesh(self, device_type: str) -> Any:
+        """A one-dimensional DeviceMesh over this group, for FSDP2.
+
+        Built with this process's rank given explicitly: the default process group, if any, is
+        an in-process vLLM engine's world of one, whose rank (0 everywhere) is not ours.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh(device_type, torch.arange(self.world), _init_backend=False, _rank=self.rank)
+        mesh._dim_group_names = [self.pg.group_name]
+        mesh._pg_registry[self.pg.group_name] = self.pg
+        return mesh
 
     def barrier(self) -> None:
         self.pg.barrier().wait()
@@ -93,7 +130,139 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return self.head(out.last_hidden_state.float()).squeeze(-1)
+        # the head's dtype: float32, or bfloat16 while FSDP2 mixed precision has it gathered
+        return self.head(out.last_hidden_state.to(self.head.weight.dtype)).float().squeeze(-1)
+
+
+class ResponseLogprobs(nn.Module):
+    """A causal LM's forward as the trainer runs it: log-probs of the response tokens only.
+
+    One module, so that under FSDP2 it is the root whose forward gathers the parameters
+    outside the transformer blocks (embeddings, final norm, LM head) and reduces their
+    gradients; the policy itself stays the plain HF model (its names, `generate`, saving).
+    """
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        self.lm = causal_lm
+
+    def forward(self, ids: Tensor, attn: Tensor, index: Tensor, *, entropy: bool = False,
+                temperature: float = 1.0, response_only: bool = True) -> tuple[Tensor, Tensor | None]:
+        """``temperature`` divides the logits, so the log-probs are those of the distribution the
+        sampler drew from. Logits are built only at the response positions and a few positions
+        at a time (never a full fp32 ``[B, L, V]``): the LM head runs on gathered hidden states.
+        """
+        model = self.lm
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not response_only or head is None or not hasattr(model, "get_decoder") or _scales_logits(model):
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+            if temperature > 0 and temperature != 1.0:
+                logits = logits / temperature
+            lp = A.token_logprobs(logits, ids[:, 1:]).gather(1, index)
+            ent = A.entropy_from_logits(logits).gather(1, index) if entropy else None
+            return lp, ent
+        # no KV cache: a training forward never decodes further
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+        h = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, T, H]
+        targets = ids.gather(1, index + 1)
+        rows, length = targets.shape
+        vocab = int(head.weight.shape[0])
+        step = max(1, LOGITS_CHUNK_ELEMENTS // max(1, rows * vocab))  # positions per chunk
+        lps, ents = [], []
+        for t in range(0, length, step):
+            logits = head(h[:, t : t + step]).float()
+            if temperature > 0 and temperature != 1.0:
+                logits = logits / temperature
+            lse = torch.logsumexp(logits, dim=-1)
+            lps.append(logits.gather(-1, targets[:, t : t + step, None]).squeeze(-1) - lse)
+            if entropy:
+                ents.append(lse - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+        return torch.cat(lps, dim=1), (torch.cat(ents, dim=1) if entropy else None)
+
+
+def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of an HF causal LM or of its decoder (Llama/Qwen ``layers``, GPT-2 ``h``)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for attr in ("layers", "h", "blocks"):
+        blocks = getattr(decoder, attr, None)
+        if isinstance(blocks, nn.ModuleList):
+            return list(blocks)
+    raise ValueError(f"cannot find the transformer blocks of {type(model).__name__} to shard")
+
+
+def apply_fsdp(root: nn.Module, blocks: list[nn.Module], mesh: Any, *, param_dtype: torch.dtype,
+               offload: bool) -> None:
+    """Shard ``root`` over ``mesh`` with FSDP2: each block on its own, then the root.
+
+    torchtitan's shape: a block's parameters are gathered just before its forward and freed
+    after it (and again in backward), so at most one block is whole at a time; the root holds
+    what is left (embeddings, final norm, LM head; tied weights stay together). Parameters are
+    cast to ``param_dtype`` for compute, gradients are reduced in float32 into float32 master
+    weights. ``offload`` keeps the shards, their gradients and the optimizer step on the CPU.
+    """
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # pinned host memory needs an accelerator; on a CPU mesh the shards are already host memory
+    pinned = mesh.device_type != "cpu"
+    offload_policy = CPUOffloadPolicy(pin_memory=pinned) if offload else OffloadPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+
+
+def _is_sharded(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _full(t: Tensor) -> Tensor:
+    """The whole tensor behind a shard (an all-gather: every rank must ask), or ``t`` itself."""
+    return t.full_tensor() if _is_sharded(t) else t  # type: ignore[attr-defined]
+
+
+def _load_full_state(module: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy a full (unsharded) state dict into ``module``, sharded or not, without collectives."""
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            if name not in state:
+                continue
+            src = state[name]
+            if _is_sharded(t):
+                # every rank holds the full tensor: each takes its own shard, no scatter
+                src = distribute_tensor(src.to(t.device, t.dtype), t.device_mesh, t.placements,
+                                        src_data_rank=None).to_local()
+                t = t.to_local()
+            t.copy_(src)
+
+
+def _local_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with each DTensor replaced by this rank's shard."""
+    per_param = {k: {n: (v.to_local() if _is_sharded(v) else v) for n, v in st.items()}
+                 for k, st in state["state"].items()}
+    return {"state": per_param, "param_groups": state["param_groups"]}
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load `_local_state` output back: shards become DTensors shaped like their parameters."""
+    from torch.distributed.tensor import DTensor
+
+    optimizer.load_state_dict(state)
+    for p, st in optimizer.state.items():
+        if not _is_sharded(p):
+            continue
+        for name, v in st.items():
+            if isinstance(v, Tensor) and not _is_sharded(v) and v.shape == p.to_local().shape:
+                st[name] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements,
+                                              shape=p.shape, stride=p.stride(), run_check=False)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -148,9 +317,15 @@ class Learner:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.eos_id = int(self.tokenizer.eos_token_id)
+        self.sharded = cfg.train.strategy == "fsdp2"
+        self.compute_dtype = _dtype(cfg.train.dtype)
+        # sharded: loaded on the host, and only each rank's shards go to the device
         self.policy = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=_dtype(cfg.model.dtype),
-            trust_remote_code=cfg.model.trust_remote_code).to(self.device)
+            trust_remote_code=cfg.model.trust_remote_code).to("cpu" if self.sharded else self.device)
+        if cfg.train.gradient_checkpointing:
+            # non-reentrant: works under FSDP2 and with inputs that need no grad
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.policy.train()
         self.reference: nn.Module | None = None
         if algo.kl_coef > 0 and algo.name != "sft":
@@ -158,13 +333,65 @@ class Learner:
         self.critic: ValueModel | None = None
         self.critic_opt: torch.optim.Optimizer | None = None
         if algo.name == "ppo":
-            self.critic = ValueModel(copy.deepcopy(self.policy)).to(self.device)
+            self.critic = ValueModel(copy.deepcopy(self.policy)).to(self.policy.device)
+        # the modules whose forward the trainer calls (the FSDP roots when sharded)
+        self._forwards: dict[int, ResponseLogprobs] = {id(self.policy): ResponseLogprobs(self.policy)}
+        if self.reference is not None:
+            self._forwards[id(self.reference)] = ResponseLogprobs(self.reference)
+        if self.sharded:
+            self._shard()
+        if self.critic is not None:
             self.critic_opt = _adamw(self.critic.parameters(), lr=algo.critic_lr)
         self.optimizer = _adamw(self.policy.parameters(), lr=cfg.train.lr,
                                 weight_decay=cfg.train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.train.lr_schedule, cfg.train.warmup_steps,
                                       cfg.train.max_steps))
+
+    def _shard(self) -> None:
+        """FSDP2 over the data-parallel group: policy, reference and critic, block by block."""
+        if self.group is None:  # one rank still shards (a group of one), as on a single GPU
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            self.group = DataParallelGroup("127.0.0.1", port, 0, 1,
+                                           backend="nccl" if self.device.type == "cuda" else "gloo")
+        self.mesh = self.group.device_mesh(self.device.type)
+        offload = self.cfg.train.offload_optimizer
+        dtype = self.compute_dtype
+        apply_fsdp(self._forwards[id(self.policy)], _transformer_blocks(self.policy), self.mesh,
+                   param_dtype=dtype, offload=offload)
+        if self.reference is not None:  # frozen: sharded the same way, never offloaded
+            apply_fsdp(self._forwards[id(self.reference)], _transformer_blocks(self.reference),
+                       self.mesh, param_dtype=dtype, offload=False)
+        if self.critic is not None:
+            apply_fsdp(self.critic, _transformer_blocks(self.critic.backbone), self.mesh,
+                       param_dtype=dtype, offload=offload)
+        # FSDP2 initializes from the first forward, which must enter through the root: one pass
+        # through each now, since `generate` (evaluation) would start at a block
+        self._idle_passes(1, policy_old=True, reference=True, critic=True)
+        for root in self._fsdp_roots():
+            # FSDP2 leaves a root gathered after forward, for the backward that usually follows;
+            # after a no-grad forward (reference, values, evaluation) none does, and the next
+            # forward would run on the gathered copy from before the optimizer step
+            root.set_reshard_after_forward(True, recurse=False)  # type: ignore[operator]
+            root.reshard()  # type: ignore[operator]
+
+    def _fsdp_roots(self) -> list[nn.Module]:
+        roots: list[nn.Module] = [self._forwards[id(self.policy)]]
+        if self.reference is not None:
+            roots.append(self._forwards[id(self.reference)])
+        if self.critic is not None:
+            roots.append(self.critic)
+        return roots
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 compute for the unsharded learner (FSDP2 casts through its MixedPrecisionPolicy)."""
+        if self.sharded or self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     # ------------------------------------------------------------------ batches and forwards
     def _layout(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
@@ -195,41 +422,46 @@ class Learner:
     def _logprobs(self, model: nn.Module, ids: Tensor, attn: Tensor, index: Tensor, *,
                   entropy: bool = False, temperature: float = 1.0, response_only: bool = True
                   ) -> tuple[Tensor, Tensor | None]:
-        """Response-aligned log-probs ``[B, T]`` (and entropies) of ``model`` on the batch.
-
-        ``temperature`` divides the logits, so the log-probs are those of the distribution the
-        sampler drew from. Logits are built only at the response positions and a few positions
-        at a time (never a full fp32 ``[B, L, V]``): the LM head runs on gathered hidden states.
-        """
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if not response_only or head is None or not hasattr(model, "get_decoder") or _scales_logits(model):
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
-            if temperature > 0 and temperature != 1.0:
-                logits = logits / temperature
-            lp = A.token_logprobs(logits, ids[:, 1:]).gather(1, index)
-            ent = A.entropy_from_logits(logits).gather(1, index) if entropy else None
-            return lp, ent
-        # no KV cache: a training forward never decodes further
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-        h = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [B, T, H]
-        targets = ids.gather(1, index + 1)
-        rows, length = targets.shape
-        vocab = int(head.weight.shape[0])
-        step = max(1, LOGITS_CHUNK_ELEMENTS // max(1, rows * vocab))  # positions per chunk
-        lps, ents = [], []
-        for t in range(0, length, step):
-            logits = head(h[:, t : t + step]).float()
-            if temperature > 0 and temperature != 1.0:
-                logits = logits / temperature
-            lse = torch.logsumexp(logits, dim=-1)
-            lps.append(logits.gather(-1, targets[:, t : t + step, None]).squeeze(-1) - lse)
-            if entropy:
-                ents.append(lse - (torch.softmax(logits, dim=-1) * logits).sum(-1))
-        return torch.cat(lps, dim=1), (torch.cat(ents, dim=1) if entropy else None)
+        """Response-aligned log-probs ``[B, T]`` (and entropies) of ``model`` on the batch."""
+        run = self._forwards.get(id(model)) or ResponseLogprobs(model)
+        with self._autocast():
+            return run(ids, attn, index, entropy=entropy, temperature=temperature,
+                       response_only=response_only)
 
     def _values(self, ids: Tensor, attn: Tensor, index: Tensor) -> Tensor:
         assert self.critic is not None
-        return self.critic(ids, attn)[:, :-1].gather(1, index)
+        with self._autocast():
+            return self.critic(ids, attn)[:, :-1].gather(1, index)
+
+    def _idle_passes(self, count: int, *, train: bool = False, policy_old: bool = False,
+                     reference: bool = False, critic: bool = False, temperature: float = 1.0) -> None:
+        """Run ``count`` passes on a one-token, masked-out micro-batch (sharded learner only).
+
+        Under FSDP2 each forward and backward all-gathers and reduce-scatters, so a rank with
+        fewer micro-batches than the others (or none) runs these instead: the same collectives
+        in the same order, and gradients of exactly zero.
+        """
+        if count <= 0:
+            return
+        ids = torch.full((1, 2), self.eos_id, dtype=torch.long, device=self.device)
+        attn = torch.ones_like(ids)
+        index = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        for _ in range(count):
+            if train:
+                lp, ent = self._logprobs(self.policy, ids, attn, index, entropy=True,
+                                         temperature=temperature)
+                assert ent is not None
+                ((lp.sum() + ent.sum()) * 0.0).backward()
+                if critic and self.critic is not None:
+                    (self._values(ids, attn, index).sum() * 0.0).backward()
+                continue
+            with torch.no_grad():
+                if policy_old:
+                    self._logprobs(self.policy, ids, attn, index, temperature=temperature)
+                if reference and self.reference is not None:
+                    self._logprobs(self.reference, ids, attn, index, temperature=temperature)
+                if critic and self.critic is not None:
+                    self._values(ids, attn, index)
 
     # ------------------------------------------------------------------ distributed
     @property
@@ -239,7 +471,7 @@ class Learner:
     def _all_reduce_grads(self, params: list[nn.Parameter]) -> None:
         """Average gradients over the group in place, one collective per tensor, all in flight
         at once (no flat copy of every gradient: measured 0.3 s per step for 17M parameters)."""
-        if self.group is None:
+        if self.group is None or self.sharded:  # FSDP2 reduce-scatters them during backward
             return
         for p in params:
             if p.grad is None:
@@ -258,6 +490,13 @@ class Learner:
             self.group.all_reduce(t)
         return t.cpu().tolist()
 
+    def all_reduce_max(self, value: int) -> int:
+        """The largest ``value`` over the group (every rank must call it)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        if self.group is not None:
+            self.group.all_reduce(t, op="max")
+        return int(t.item())
+
     # ------------------------------------------------------------------ SFT
     def sft_step(self, prompts: list[str], targets: list[str], optimizer: torch.optim.Optimizer
                  ) -> dict[str, float]:
@@ -274,7 +513,7 @@ class Learner:
         loss.backward()
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self._all_reduce_grads(params)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
         optimizer.step()
         return {"loss/sft": float(loss.detach()), "grad_norm": float(grad_norm),
                 "trained_tokens": float(mask.sum())}
@@ -298,6 +537,12 @@ class Learner:
         rows = len(batch)
         returns: Tensor | None = None
         adv_tok: Tensor | None = None
+        mb = cfg.train.micro_batch_size
+        n_chunks = -(-rows // mb)
+        # sharded: every rank runs as many micro-batches as the rank with the most (collectives)
+        passes = self.all_reduce_max(n_chunks) if self.sharded else n_chunks
+        idle = passes - n_chunks
+        kl_old = algo.kl_in_reward and self.reference is not None
         if rows:
             ids, attn, index, mask = self._layout(batch.prompt_ids, batch.response_ids)
             scores = torch.tensor(batch.scores, dtype=torch.float32, device=self.device)
@@ -306,28 +551,30 @@ class Learner:
                 buffer = max(1, cfg.rollout.max_new_tokens // 4)
                 scores = scores + algo.overlong_penalty * A.overlong_penalty(
                     lengths, cfg.rollout.max_new_tokens, buffer).to(scores.device)
-            mb = cfg.train.micro_batch_size
             chunks = [slice(i, min(i + mb, rows)) for i in range(0, rows, mb)]
             behaviour, has_behaviour = self._behaviour_logprobs(batch, mask)
 
             ref_span = recorder.span("reference") if recorder is not None else contextlib.nullcontext()
             with torch.no_grad(), ref_span:
                 old_lp = None
-                if algo.kl_in_reward and self.reference is not None:
+                if kl_old:
                     # the KL shapes the reward, so the policy's log-probs are needed up front
                     self.policy.eval()
                     old_lp = torch.cat([self._logprobs(self.policy, ids[c], attn[c], index[c],
                                                        temperature=temp)[0] for c in chunks])
+                    self._idle_passes(idle, policy_old=True, temperature=temp)
                     self.policy.train()
                 ref_lp = kl_r = None
                 if self.reference is not None:
                     ref_lp = torch.cat([self._logprobs(self.reference, ids[c], attn[c], index[c],
                                                        temperature=temp)[0] for c in chunks])
+                    self._idle_passes(idle, reference=True, temperature=temp)
                     if old_lp is not None:
                         kl_r = A.kl_penalty(old_lp, ref_lp, algo.kl_estimator) * mask
                 values = None
                 if self.critic is not None:
                     values = torch.cat([self._values(ids[c], attn[c], index[c]) for c in chunks]) * mask
+                    self._idle_passes(idle, critic=True)
 
                 if algo.name in ("grpo", "rloo"):
                     seq_scores = scores - (algo.kl_coef * kl_r.sum(dim=1) if kl_r is not None else 0.0)
@@ -352,6 +599,11 @@ class Learner:
             if algo.name not in ("grpo", "rloo", "reinforce_pp", "ppo"):
                 raise ValueError(f"algorithm {algo.name!r} is not an RL algorithm")
             local = [0.0, 0.0, 0.0, 0.0]
+            # the passes the other ranks run on their rows, module by module in the same order
+            self._idle_passes(idle if kl_old else 0, policy_old=True, temperature=temp)
+            self._idle_passes(idle if self.reference is not None else 0, reference=True,
+                              temperature=temp)
+            self._idle_passes(idle if self.critic is not None else 0, critic=True)
         # One collective on every rank: the global batch's size and its advantage moments.
         g_tokens, g_rows, adv_sum, adv_sq = self.all_reduce_sum(local)
         if rows and adv_tok is not None and algo.name in ("ppo", "reinforce_pp"):
@@ -425,6 +677,7 @@ class Learner:
                     vl, _ = A.value_loss(v, values[c], returns[c], m)
                     (vl * w).backward()
                     sums["loss/value"] += mw * float(vl.detach())
+            self._idle_passes(idle, train=True, critic=self.critic is not None, temperature=temp)
             grad_norms.append(self._apply_gradients(params, self.optimizer))
             if self.critic is not None:
                 assert self.critic_opt is not None
@@ -466,11 +719,14 @@ class Learner:
 
     def _apply_gradients(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> float:
         """All-reduce, clip and step: the same on every rank, with or without local gradients."""
+        if self.sharded:  # the optimizer's own (sharded) parameters, whatever the module holds now
+            params = [p for g in optimizer.param_groups for p in g["params"]]
         self._all_reduce_grads(params)
         for p in params:
             if p.grad is None:  # a rank with nothing to train still steps on the averaged grads
                 p.grad = torch.zeros_like(p)
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
+        # sharded gradients: the norm is of the whole gradient (DTensor all-reduces the shards')
+        norm = float(_full(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)))
         optimizer.step()
         return norm
 
@@ -481,6 +737,52 @@ class Learner:
         self.policy.eval()
         out: list[str] = []
         try:
+            with self._whole_policy():
+                out = self._greedy(prompts, max_new_tokens, batch_size)
+        finally:
+            self.policy.train()
+        return out
+
+    @contextlib.contextmanager
+    def _whole_policy(self) -> Iterator[None]:
+        """Sharded: gather the whole policy for generation, every rank at once, then reshard.
+
+        Greedy decoding runs as many forwards as its longest answer needs, a number that differs
+        between ranks (and a rank may have no prompts); with the policy gathered up front they
+        run no collectives.
+        """
+        if not self.sharded:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        root = self._forwards[id(self.policy)]
+        assert isinstance(root, FSDPModule)
+        modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        root.set_reshard_after_forward(False)
+        for m in modules:
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.reshard()
+            root.set_reshard_after_forward(True)
+            # Decoding records a different number of block forwards on each rank; FSDP2 would
+            # plan the next backward's all-gather prefetches from them and the ranks' collectives
+            # would no longer match. Forget them, as after an aborted iteration.
+            if hasattr(root, "reset_iter_state"):  # torch >= 2.13
+                root.reset_iter_state()
+            else:
+                state = root._get_fsdp_state()
+                state._comm_ctx.post_forward_order.clear()
+                for m in modules:
+                    for group in m._get_fsdp_state()._fsdp_param_groups:
+                        group._post_forward_indices.clear()
+
+    def _greedy(self, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
+        out: list[str] = []
+        with self._autocast():
             for i in range(0, len(prompts), batch_size):
                 enc = self.tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True,
                                      add_special_tokens=False).to(self.device)
@@ -488,13 +790,102 @@ class Learner:
                                            pad_token_id=self.pad_id, eos_token_id=self.eos_id)
                 new = gen[:, enc["input_ids"].shape[1]:]
                 out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
-        finally:
-            self.policy.train()
         return out
 
+    def iter_named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The policy's weights by HF name, on CPU, one tensor at a time: what a sampler loads.
+
+        Sharded, each tensor is gathered (``full_tensor``, an all-gather) as it is asked for, so
+        no whole copy of the model is ever built; every rank must drain the iterator.
+        """
+        for name, t in self.policy.state_dict().items():
+            yield name, _full(t).detach().to("cpu")
+
     def named_weights(self) -> dict[str, Tensor]:
-        """The policy's weights by HF name, on CPU: what a sampler loads after an update."""
-        return {k: v.detach().to("cpu") for k, v in self.policy.state_dict().items()}
+        """All of `iter_named_weights` at once (one whole copy on CPU)."""
+        return dict(self.iter_named_weights())
+
+    # ------------------------------------------------------------------ colocate
+    def release_device(self) -> None:
+        """Move parameters, gradients and optimizer state to host memory (a GPU colocated with a
+        sampler that generates meanwhile); a no-op on a CPU device. Untested without a GPU."""
+        self._move_state("cpu")
+
+    def reclaim_device(self) -> None:
+        """Bring back what `release_device` moved, before the next training pass."""
+        self._move_state(self.device)
+
+    def _move_state(self, where: str | torch.device) -> None:
+        if self.device.type == "cpu":
+            return  # host memory already: nothing to free for the sampler
+        offloaded = self.sharded and self.cfg.train.offload_optimizer  # shards live on the host
+        modules: list[nn.Module] = self._fsdp_roots() if self.sharded else [
+            m for m in (self.policy, self.reference, self.critic) if m is not None]
+        for m in modules:
+            if offloaded and m is not self._forwards.get(id(self.reference)):
+                continue
+            m.to(where)  # FSDP2 re-registers its shards after a move (FSDPModule._apply)
+        if not offloaded:
+            for opt in (self.optimizer, self.critic_opt):
+                for state in (opt.state.values() if opt is not None else ()):
+                    for k, v in state.items():
+                        if isinstance(v, Tensor) and k != "step":
+                            state[k] = v.to(where, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state_dicts(self) -> dict[str, dict[str, Tensor] | None]:
+        """Whole (gathered) state dicts of the policy, reference and critic, on CPU.
+
+        A collective when sharded: every rank calls it; only rank 0 keeps the tensors (the
+        others get None), since rank 0 writes them.
+        """
+        keep = self.group is None or self.group.rank == 0
+        out: dict[str, dict[str, Tensor] | None] = {}
+        for key, module in (("policy", self.policy), ("reference", self.reference),
+                            ("critic", self.critic)):
+            if module is None:
+                out[key] = None
+                continue
+            state = {k: _full(v).detach().to("cpu") for k, v in module.state_dict().items()}
+            out[key] = state if keep else None
+        return out
+
+    def load_full_state_dicts(self, reference: dict[str, Tensor] | None = None,
+                              critic: dict[str, Tensor] | None = None) -> None:
+        """Load whole reference/critic state dicts (from rank 0's checkpoint) on every rank."""
+        if reference is not None and self.reference is not None:
+            _load_full_state(self.reference, reference)
+        if critic is not None and self.critic is not None:
+            _load_full_state(self.critic, critic)
+
+    def optimizer_state_dicts(self) -> dict[str, Any]:
+        """The optimizers' state; sharded, this rank's shards as plain tensors (saved per rank)."""
+        out = {"optimizer": _local_state(self.optimizer.state_dict())}
+        if self.critic_opt is not None:
+            out["critic_optimizer"] = _local_state(self.critic_opt.state_dict())
+        return out
+
+    def load_optimizer_state_dicts(self, state: dict[str, Any]) -> None:
+        """Restore `optimizer_state_dicts` (same number of ranks: each takes back its shards)."""
+        _load_optimizer(self.optimizer, state["optimizer"])
+        if self.critic_opt is not None and "critic_optimizer" in state:
+            _load_optimizer(self.critic_opt, state["critic_optimizer"])
+
+    def sync_reference_to_policy(self) -> None:
+        """The reference becomes the current policy (after the warm start)."""
+        if self.reference is None:
+            return
+        with torch.no_grad():
+            ref = self.reference.state_dict()
+            for name, t in self.policy.state_dict().items():
+                # same shapes, same mesh: shard by shard when sharded, no collective
+                dst, src = ref[name], t
+                if _is_sharded(dst):
+                    dst, src = dst.to_local(), src.to_local()  # type: ignore[attr-defined]
+                dst.copy_(src)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.policy.parameters())

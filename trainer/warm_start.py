@@ -54,8 +54,9 @@ def dev_accuracy(learner: Any, examples: list[Example], max_new_tokens: int) -> 
     from trainer.rewards import exact_match
 
     scores: list[float] = []
+    # called with no examples too: a sharded learner gathers its weights on every rank
+    texts = learner.greedy([e.prompt for e in examples], max_new_tokens)
     if examples:
-        texts = learner.greedy([e.prompt for e in examples], max_new_tokens)
         scores = exact_match([e.prompt for e in examples], texts, [e.answer for e in examples])
     correct, total = learner.all_reduce_sum([sum(scores), float(len(scores))])
     return correct / max(total, 1.0)

@@ -93,3 +93,24 @@ def test_each_algorithm_completes_a_short_run(ray_head, nano_model, tmp_path, al
     if algo == "ppo":
         assert "loss/value" in last
     assert "eval/accuracy_end" in read_summary(tmp_path)
+
+
+@pytest.mark.slow
+def test_fsdp2_controllers_train_what_ddp_controllers_train(ray_head, nano_model, tmp_path):
+    """Two controllers on a real Ray, sharded (train.strategy=fsdp2) or whole per rank (ddp):
+    same seed, same numbers step by step, and the sharded run's final export is a whole model."""
+    runs = {}
+    for strategy in ("ddp", "fsdp2"):
+        cfg = tiny_config(nano_model, train={"max_steps": 3, "batch_size": 8, "strategy": strategy})
+        runs[strategy] = (run_training(cfg, tmp_path / strategy, env={}), read_metrics(tmp_path / strategy))
+    (ddp_summary, ddp), (fsdp_summary, fsdp) = runs["ddp"], runs["fsdp2"]
+    assert fsdp_summary["steps"] == 3
+    for a, b in zip(ddp, fsdp, strict=True):
+        assert a["step"] == b["step"]
+        for key in ("reward/mean", "loss/policy", "grad_norm", "tokens/trained"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (a["step"], key)
+    assert fsdp_summary["eval/accuracy_end"] == ddp_summary["eval/accuracy_end"]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "fsdp2" / "final")).num_parameters() > 0

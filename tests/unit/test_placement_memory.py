@@ -76,3 +76,28 @@ def test_yatt_train_refuses_before_starting(tmp_path):
     assert result.exit_code == 2, result.output
     assert "config error: rollout.kv_cache_gb:" in result.output and "would fit" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_fsdp2_divides_the_sharded_states_by_the_training_ranks():
+    shape = ModelShape(layers=24, hidden=896, intermediate=4864, vocab=151_936, heads=14, kv_heads=2)
+    data = {"model": {"path": "/nonexistent"}, "algorithm": {"kl_coef": 0.05},
+            "placement": {"devices": 4, "device_type": "gpu", "mode": "colocate"}}
+    whole = estimate_memory(parse_config(data), available_bytes=141 * GiB, shape=shape)
+    sharded_cfg = parse_config({**data, "train": {"strategy": "fsdp2"}})
+    sharded = estimate_memory(sharded_cfg, available_bytes=141 * GiB, shape=shape)
+    assert whole is not None and sharded is not None
+    for part in ("policy", "gradients", "optimizer", "reference"):
+        assert sharded.parts[part] == pytest.approx(whole.parts[part] / 4)
+    assert sharded.parts["gathered"] > 0 and "gathered" not in whole.parts
+    offload = estimate_memory(parse_config({**data, "train": {"strategy": "fsdp2",
+                                                              "offload_optimizer": True}}),
+                              available_bytes=141 * GiB, shape=shape)
+    assert offload is not None and "optimizer" not in offload.parts
+    assert offload.peak_bytes < sharded.peak_bytes < whole.peak_bytes
+
+
+def test_optimizer_offload_without_fsdp2_is_refused_naming_the_field():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"train": {"offload_optimizer": True}})
+    assert err.value.errors[0][0] == "train"
+    assert "train.strategy=fsdp2" in str(err.value)

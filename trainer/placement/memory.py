@@ -171,8 +171,25 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
         train["critic"] = 4 * weights
     seq = _seq_tokens(cfg)
     mb = min(cfg.train.micro_batch_size, cfg.train.batch_size * cfg.rollout.n)
-    train["activations"] = mb * seq * (shape.layers * shape.hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER
+    # gradient checkpointing keeps each block's input and recomputes one block at a time
+    kept_layers = 1 if cfg.train.gradient_checkpointing else shape.layers
+    kept_inputs = shape.layers * shape.hidden * 4 if cfg.train.gradient_checkpointing else 0
+    train["activations"] = mb * seq * (kept_layers * shape.hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER
+                                       + kept_inputs
                                        + 3 * shape.vocab * 4)  # logits, log-softmax, grad, fp32
+    if cfg.train.strategy == "fsdp2":
+        # each rank holds 1/ranks of every sharded state, plus the blocks gathered for compute
+        # (the one running and the next) and the root's (embeddings, LM head), in compute dtype
+        ranks = cfg.data_parallel_size
+        for part in ("policy", "gradients", "optimizer", "reference", "critic"):
+            if part in train:
+                train[part] /= ranks
+        if cfg.train.offload_optimizer and dt == "gpu":
+            for part in ("policy", "gradients", "optimizer"):  # CPUOffloadPolicy: in host memory
+                train.pop(part)
+        cb = DTYPE_BYTES[cfg.train.dtype]
+        embed = shape.vocab * shape.hidden
+        train["gathered"] = (2 * (P - embed) / max(1, shape.layers) + embed) * cb
     if cfg.reward.kind == "model":
         rm = _read_shape(cfg.reward.model_path)
         if rm is not None:
