@@ -119,6 +119,12 @@ class TrainConfig(_Group):
     ppo_epochs: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Precision of the RL forward passes (policy, reference, critic): bf16 "
+        "autocast with fp32 master weights, fp32 optimizer state and fp32 log-softmax/loss, or "
+        "plain fp32. auto: bf16 where the hardware computes it natively (CPUs with AMX or "
+        "AVX512-BF16, GPUs with bf16), else fp32. The SFT warm start always runs in fp32. Like "
+        "verl's fsdp_config.mixed_precision and OpenRLHF's --bf16.")
 
 
 class RolloutConfig(_Group):

@@ -132,6 +132,28 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bf16 matrix products natively (not emulated through fp32).
+
+    CPU: the AMX or AVX512-BF16 instruction sets (Linux ``/proc/cpuinfo`` flags); GPU: CUDA's
+    own check (Ampere and later).
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype `train.mixed_precision` asks for on `device`; None: plain fp32."""
+    if setting == "bf16" or (setting == "auto" and native_bf16(device)):
+        return torch.bfloat16
+    return None
+
+
 class Learner:
     def __init__(self, cfg: TrainerConfig, model_dir: str | Path, *, device: str = "cpu",
                  dist_group: Any = None):
@@ -165,6 +187,16 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.train.lr_schedule, cfg.train.warmup_steps,
                                       cfg.train.max_steps))
+        self.autocast_dtype = autocast_dtype(cfg.train.mixed_precision, self.device)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision of RL forward passes: bf16 autocast (fp32 master weights) or fp32.
+
+        Log-softmax, losses and optimizer state stay fp32: `_logprobs` upcasts the logits.
+        """
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     # ------------------------------------------------------------------ batches and forwards
     def _layout(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
@@ -229,7 +261,7 @@ class Learner:
 
     def _values(self, ids: Tensor, attn: Tensor, index: Tensor) -> Tensor:
         assert self.critic is not None
-        return self.critic(ids, attn)[:, :-1].gather(1, index)
+        return self.critic(ids, attn)[:, :-1].float().gather(1, index)
 
     # ------------------------------------------------------------------ distributed
     @property
@@ -311,7 +343,7 @@ class Learner:
             behaviour, has_behaviour = self._behaviour_logprobs(batch, mask)
 
             ref_span = recorder.span("reference") if recorder is not None else contextlib.nullcontext()
-            with torch.no_grad(), ref_span:
+            with torch.no_grad(), ref_span, self.autocast():
                 old_lp = None
                 if algo.kl_in_reward and self.reference is not None:
                     # the KL shapes the reward, so the policy's log-probs are needed up front
@@ -384,8 +416,9 @@ class Learner:
                 else:
                     w = (c.stop - c.start) / max(g_rows, 1.0) * world
                     mw = (c.stop - c.start) / rows
-                lp, ent = self._logprobs(self.policy, ids[c], attn[c], index[c], entropy=True,
-                                         temperature=temp)
+                with self.autocast():
+                    lp, ent = self._logprobs(self.policy, ids[c], attn[c], index[c], entropy=True,
+                                             temperature=temp)
                 assert ent is not None
                 if epoch == 0:
                     # before any update the policy is the proximal policy: its log-probs are "old"
@@ -421,7 +454,8 @@ class Learner:
                 sums["loss/total"] += mw * float(loss.detach())
                 if self.critic is not None:
                     assert values is not None and returns is not None
-                    v = self._values(ids[c], attn[c], index[c])
+                    with self.autocast():
+                        v = self._values(ids[c], attn[c], index[c])
                     vl, _ = A.value_loss(v, values[c], returns[c], m)
                     (vl * w).backward()
                     sums["loss/value"] += mw * float(vl.detach())
