@@ -154,6 +154,14 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def _use_eager_attention(model: nn.Module) -> None:
+    """Plain matmul attention instead of SDPA: on CPU under bf16 autocast, SDPA's flash kernel
+    (its backward above all) took 30% of a training pass, and eager attention made the pass
+    measured 1.4-2x faster (bench: bf16 autocast, `small` model, 8 × 138 tokens)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+
+
 class Learner:
     def __init__(self, cfg: TrainerConfig, model_dir: str | Path, *, device: str = "cpu",
                  dist_group: Any = None):
@@ -173,6 +181,9 @@ class Learner:
         self.policy = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=_dtype(cfg.model.dtype),
             trust_remote_code=cfg.model.trust_remote_code).to(self.device)
+        self.autocast_dtype = autocast_dtype(cfg.train.mixed_precision, self.device)
+        if self.device.type == "cpu" and self.autocast_dtype is not None:
+            _use_eager_attention(self.policy)  # before the reference and critic copy it
         self.policy.train()
         self.reference: nn.Module | None = None
         if algo.kl_coef > 0 and algo.name != "sft":
@@ -187,7 +198,6 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.train.lr_schedule, cfg.train.warmup_steps,
                                       cfg.train.max_steps))
-        self.autocast_dtype = autocast_dtype(cfg.train.mixed_precision, self.device)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision of RL forward passes: bf16 autocast (fp32 master weights) or fp32.
