@@ -121,7 +121,8 @@ def main() -> None:
     load = os.getloadavg()
     where = (torch.cuda.get_device_name() if learner.device.type == "cuda"
              else f"CPU, {a.threads} threads, native bf16: {native_bf16(learner.device)}")
-    rows = [f"`PYTHONPATH=. python bench/mixed_precision.py --shape {a.shape} --device {a.device}` — "
+    command = " ".join(["PYTHONPATH=. python bench/mixed_precision.py", *sys.argv[1:]])
+    rows = [f"`{command}` — "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {where}, load average "
             f"{load[0]:.1f}; {params / 1e6:.1f}M parameters, {a.rows} × ({16} + {a.response}) tokens "
             f"({tokens} in all), median of {a.repeats}.", "",
