@@ -387,7 +387,7 @@ def main() -> None:
                 ratio = r
         png = ROOT / "docs" / f"trainer_vs_trl_{tokens}.png"
         curves = {c: s["rewards"] for c, s in sums.items()}
-        if curves:
+        if curves and not a.no_docs:  # the PNGs belong to the docs section
             plot(curves, f"reward, {tokens} new tokens", png)
             rows += ["", f"![reward curves, {tokens} new tokens]({png.name})"]
         rows.append("")
