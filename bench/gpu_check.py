@@ -112,7 +112,7 @@ def _config(model_dir: Path, work: Workload, device_type: str) -> dict:
     return {
         "model": {"path": str(model_dir), "dtype": "float32"},
         "algorithm": {"name": "grpo", "kl_coef": 0.01},
-        "train": {"strategy": "fsdp2", "dtype": "bfloat16", "gradient_checkpointing": True,
+        "train": {"strategy": "fsdp2", "mixed_precision": "bf16", "gradient_checkpointing": True,
                   "lr": 1e-6, "batch_size": max(1, work.rows // work.gen_n),
                   "micro_batch_size": work.micro_batch},
         "rollout": {"engine": "hf", "n": work.gen_n, "max_new_tokens": work.gen_tokens,

@@ -5,13 +5,15 @@
 Same `small` tiny model (built with `yatt make-tiny-model --preset small`), same 2-digit addition
 prompts, 4 prompts x 8 samples per step, lr 1e-4, KL 0.04, no warm start; two workloads: 32 new
 tokens ("short") and 256 ("generation-heavy"). Cases, each in its own process, one after the
-other in this one run: yatt colocate and disaggregated on 2 devices (`yatt train`), TRL
-GRPOTrainer default (HF generate) and TRL's vLLM colocate mode (recorded if it fails), and the
-limit: each phase alone at its best on all cores (vLLM generating the step's samples; the
-reference pass; one training pass), whose sum bounds a colocated step and whose max a
-disaggregated one. Prints samples/s, generated tokens/s, median step and phase split per case,
-writes a reward-curve PNG per workload and its section of docs/benchmarks.md; the last line is
-`ratio: X` = yatt's best samples/s over the faster TRL setting on the generation-heavy workload.
+other in this one run: yatt colocate and disaggregated on 2 devices (`yatt train`, its default
+precision), TRL GRPOTrainer default (HF generate, fp32), on one thread, with its own CPU mixed
+precision (`bf16=True`), and TRL's vLLM colocate mode (recorded if it fails), and the limit: each
+phase alone at its best on all cores (vLLM generating the step's samples; the reference pass; one
+training pass), at the precision yatt runs (fp32 figures beside them), whose sum bounds a
+colocated step and whose max a disaggregated one. Prints samples/s, generated tokens/s, median
+step and phase split per case, writes a reward-curve PNG per workload and its section of
+docs/benchmarks.md; the last line is `ratio: X` = yatt's best samples/s over the fastest TRL
+setting that ran, on the generation-heavy workload.
 Steps per case are few (shared CPUs): medians skip each case's first step.
 """
 
@@ -74,7 +76,7 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     }
 
 
-def case_trl(tokens: int, steps: int, vllm: bool, threads: int) -> dict:
+def case_trl(tokens: int, steps: int, vllm: bool, threads: int, bf16: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -96,7 +98,7 @@ def case_trl(tokens: int, steps: int, vllm: bool, threads: int) -> dict:
         output_dir=out, max_steps=steps, learning_rate=LR, beta=KL, num_generations=N,
         per_device_train_batch_size=PROMPTS * N, gradient_accumulation_steps=1,
         max_completion_length=tokens, temperature=1.0, logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=True, bf16=False, seed=0, disable_tqdm=True,
+        report_to="none", use_cpu=True, bf16=bf16, seed=0, disable_tqdm=True,
         dataloader_num_workers=0, use_vllm=vllm,
         **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if vllm else {}),
     )
@@ -144,7 +146,13 @@ def case_trl(tokens: int, steps: int, vllm: bool, threads: int) -> dict:
 
 
 def case_limit(tokens: int) -> dict:
-    """Each phase alone on all cores, at the step's size: vLLM generation, reference, training."""
+    """Each phase alone on all cores, at the step's size: vLLM generation, reference, training.
+
+    The reference and training passes are timed at the precision yatt runs them
+    (`train.mixed_precision`, resolved for this machine) and, beside it, in plain fp32.
+    """
+    import contextlib
+
     import torch
 
     from trainer.config import parse_config
@@ -170,21 +178,39 @@ def case_limit(tokens: int) -> dict:
     ids, attn, index, mask = learner._layout([s.prompt_ids for s in samples],
                                              [s.response_ids or [learner.eos_id] for s in samples])
     assert learner.reference is not None
-    ref_times, train_times = [], []
-    for _ in range(2):
+    precisions = {"fp32": contextlib.nullcontext}
+    if learner.autocast_dtype is not None:
+        precisions["bf16"] = learner.autocast
+
+    def passes(precision) -> tuple[float, float]:
+        """One reference pass and one training pass over the step's samples: their seconds."""
         t = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), precision():
             learner._logprobs(learner.reference, ids, attn, index)
-        ref_times.append(time.perf_counter() - t)
+        ref = time.perf_counter() - t
         t = time.perf_counter()
         learner.optimizer.zero_grad(set_to_none=True)
-        lp, _ = learner._logprobs(learner.policy, ids, attn, index)
+        with precision():
+            lp, _ = learner._logprobs(learner.policy, ids, attn, index)
         (-(lp * mask).sum() / mask.sum()).backward()
         torch.nn.utils.clip_grad_norm_(learner.policy.parameters(), 1.0)
         learner.optimizer.step()
-        train_times.append(time.perf_counter() - t)
-    return {"generation": min(gen_times), "reference": min(ref_times), "train": min(train_times),
-            "gen_tokens": gen_tokens}
+        return ref, time.perf_counter() - t
+
+    times: dict[str, list[tuple[float, float]]] = {p: [] for p in precisions}
+    for _ in range(2):
+        for name, precision in precisions.items():
+            times[name].append(passes(precision))
+    used = "bf16" if learner.autocast_dtype is not None else "fp32"
+    # disaggregated on 2 devices: one training device, with its own cores only, trains every sample
+    torch.set_num_threads(max(1, int(cfg.placement.cpus_per_device)))
+    one_device = min(sum(passes(precisions[used])) for _ in range(2))
+    return {"generation": min(gen_times), "reference": min(r for r, _ in times[used]),
+            "train": min(t for _, t in times[used]), "gen_tokens": gen_tokens, "precision": used,
+            "rollout_dtype": cfg.model.dtype,
+            "reference_fp32": min(r for r, _ in times["fp32"]),
+            "train_fp32": min(t for _, t in times["fp32"]),
+            "train_device_cores": cfg.placement.cpus_per_device, "train_device_passes": one_device}
 
 
 def run_child(case: str, tokens: int, steps: int, out: Path, timeout: float) -> dict:
@@ -248,7 +274,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=None, help="steps per case (default 6 short, 3 long)")
     ap.add_argument("--workloads", default="32,256", help="new tokens per sample, comma-separated")
-    ap.add_argument("--cases", default="yatt-colocate,yatt-disaggregated,trl,trl-1t,trl-vllm,limit")
+    ap.add_argument("--cases", default="yatt-colocate,yatt-disaggregated,trl,trl-1t,trl-bf16,trl-vllm,limit")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     ap.add_argument("--report-from", type=Path, help="re-render the report from a run's JSON folder")
@@ -262,7 +288,8 @@ def main() -> None:
             # trl: torch's default threads (all cores); trl-1t: one thread, which on a loaded
             # machine avoids OpenMP threads spin-waiting on each other (the faster one counts)
             threads = 1 if kind == "trl-1t" else (os.cpu_count() or 2)
-            res = case_trl(a.tokens, a.steps, vllm=kind == "trl-vllm", threads=threads)
+            res = case_trl(a.tokens, a.steps, vllm=kind == "trl-vllm", threads=threads,
+                           bf16=kind == "trl-bf16")
         else:
             res = case_limit(a.tokens)
         a.json.write_text(json.dumps(res))
@@ -320,9 +347,23 @@ def main() -> None:
         if "generation" in lim:
             ssum = lim["generation"] + lim["reference"] + lim["train"]
             smax = max(lim["generation"], lim["reference"] + lim["train"])
-            rows += ["", f"Limit (each phase alone on all cores): generation {lim['generation']:.2f} s "
+            precision = lim.get("precision", "fp32")
+            fp32_note = (f" (in fp32: reference {lim['reference_fp32']:.2f} s, training pass "
+                         f"{lim['train_fp32']:.2f} s)" if precision != "fp32" and "train_fp32" in lim else "")
+            rows += ["", f"Limit (each phase alone on all cores, at yatt's precision: generation in "
+                     f"{lim.get('rollout_dtype', 'float32')}, reference and training pass in {precision}): "
+                     f"generation {lim['generation']:.2f} s "
                      f"({lim['gen_tokens'] / lim['generation']:.0f} tok/s), reference {lim['reference']:.2f} s, "
-                     f"training pass {lim['train']:.2f} s; sum {ssum:.2f} s, max {smax:.2f} s.", ""]
+                     f"training pass {lim['train']:.2f} s{fp32_note}; sum {ssum:.2f} s, max {smax:.2f} s.", ""]
+            if "train_device_passes" in lim and "yatt-disaggregated" in sums:
+                # the all-core max assumes the training phase gets every core; this split gives it one
+                dis = sums["yatt-disaggregated"]
+                rows.append(f"- yatt-disaggregated splits the {os.cpu_count()} cores into a rollout device "
+                            f"and a training device of {lim['train_device_cores']:g} core(s): reference + "
+                            f"training pass on that device alone take {lim['train_device_passes']:.2f} s, "
+                            f"so its step ({dis['median_step']:.2f} s) is "
+                            f"{dis['median_step'] / lim['train_device_passes']:.2f}× what its training "
+                            "device alone needs; the all-core max below cannot be reached with this split.")
             for case, bound, what in (("yatt-colocate", ssum, "sum"), ("yatt-disaggregated", smax, "max")):
                 if case in sums:
                     rows.append(f"- {case}: median step {sums[case]['median_step']:.2f} s = "
@@ -339,12 +380,14 @@ def main() -> None:
             r = max(yatt) / max(trl)
             goal = 2.0 if tokens > 64 else 1.0
             verdict = "met" if r >= goal else f"NOT met: {goal / r:.2f}× short"
-            rows += ["", f"yatt best / faster TRL (samples/s): **{r:.2f}×** (goal ≥ {goal:.1f}×: {verdict})"]
+            fastest = max((c for c in sums if c.startswith("trl")), key=lambda c: sums[c]["samples_s"])
+            rows += ["", f"yatt best / fastest TRL setting that ran ({fastest}) (samples/s): "
+                     f"**{r:.2f}×** (goal ≥ {goal:.1f}×: {verdict})"]
             if tokens > 64:
                 ratio = r
         png = ROOT / "docs" / f"trainer_vs_trl_{tokens}.png"
         curves = {c: s["rewards"] for c, s in sums.items()}
-        if curves:
+        if curves and not a.no_docs:  # the PNGs belong to the docs section
             plot(curves, f"reward, {tokens} new tokens", png)
             rows += ["", f"![reward curves, {tokens} new tokens]({png.name})"]
         rows.append("")

@@ -124,15 +124,18 @@ class TrainConfig(_Group):
         "ddp: a full policy, reference and critic per rank, gradients all-reduced; fsdp2: "
         "parameters, gradients and optimizer state sharded across the ranks "
         "(torch.distributed.fsdp.fully_shard, block by block; gloo on CPU, NCCL on GPU).")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Compute dtype of the training forward and backward. bfloat16 "
-        "keeps float32 master weights and reduces gradients in float32 (FSDP2 "
-        "MixedPrecisionPolicy; autocast with ddp).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward instead of keeping them.")
     offload_optimizer: bool = Field(
         False, description="fsdp2 only: keep sharded parameters, gradients and optimizer state in "
         "CPU memory and step the optimizer there (FSDP2 CPUOffloadPolicy; a no-op on a CPU device).")
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Precision of the RL forward passes (policy, reference, critic): bf16 "
+        "autocast with fp32 master weights, fp32 optimizer state and fp32 log-softmax/loss, or "
+        "plain fp32. auto: bf16 where the hardware computes it natively (CPUs with AMX or "
+        "AVX512-BF16, GPUs with bf16), else fp32. The SFT warm start always runs in fp32. Like "
+        "verl's fsdp_config.mixed_precision and OpenRLHF's --bf16. Under fsdp2 it is FSDP2's "
+        "MixedPrecisionPolicy (bf16 parameters for compute, fp32 gradient reduction).")
 
     @model_validator(mode="after")
     def _offload_needs_fsdp2(self) -> TrainConfig:

@@ -101,7 +101,8 @@ def test_fsdp2_controllers_train_what_ddp_controllers_train(ray_head, nano_model
     same seed, same numbers step by step, and the sharded run's final export is a whole model."""
     runs = {}
     for strategy in ("ddp", "fsdp2"):
-        cfg = tiny_config(nano_model, train={"max_steps": 3, "batch_size": 8, "strategy": strategy})
+        cfg = tiny_config(nano_model, train={"max_steps": 3, "batch_size": 8, "strategy": strategy,
+                                                      "mixed_precision": "fp32"})
         runs[strategy] = (run_training(cfg, tmp_path / strategy, env={}), read_metrics(tmp_path / strategy))
     (ddp_summary, ddp), (fsdp_summary, fsdp) = runs["ddp"], runs["fsdp2"]
     assert fsdp_summary["steps"] == 3

@@ -35,7 +35,9 @@ def _cfg(model_dir: Path, **train) -> dict:
         "model": {"path": str(model_dir), "preset": "nano"},
         "data": {"arithmetic": {"train_size": 500, "eval_size": 16}},
         "algorithm": {"name": "ppo", "kl_coef": 0.05},
-        "train": {"lr": 3e-3, "grad_clip": 0.05, "micro_batch_size": 2, **train},
+        # fp32 unless a case asks for bf16: fsdp2 and ddp are compared to fp32 tolerances
+        "train": {"lr": 3e-3, "grad_clip": 0.05, "micro_batch_size": 2, "mixed_precision": "fp32",
+                  **train},
         "rollout": {"engine": "hf", "n": 2, "max_new_tokens": 5, "temperature": 0.8},
         "placement": {"device_type": "cpu", "devices": 2},
     }
@@ -129,7 +131,7 @@ def trained(nano, tmp_path_factory) -> dict:
         "fsdp": _cfg(nano, strategy="fsdp2"),
         "fsdp_checkpointed": _cfg(nano, strategy="fsdp2", gradient_checkpointing=True),
         "fsdp_offload": _cfg(nano, strategy="fsdp2", offload_optimizer=True),
-        "fsdp_bf16": _cfg(nano, strategy="fsdp2", dtype="bfloat16"),
+        "fsdp_bf16": _cfg(nano, strategy="fsdp2", mixed_precision="bf16"),
     }
     tmp = tmp_path_factory.mktemp("fsdp")
     outs = [str(tmp / f"rank{r}.pt") for r in range(2)]

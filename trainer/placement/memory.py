@@ -187,7 +187,7 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
         if cfg.train.offload_optimizer and dt == "gpu":
             for part in ("policy", "gradients", "optimizer"):  # CPUOffloadPolicy: in host memory
                 train.pop(part)
-        cb = DTYPE_BYTES[cfg.train.dtype]
+        cb = 4.0 if cfg.train.mixed_precision == "fp32" else 2.0  # auto: bf16 on bf16 hardware
         embed = shape.vocab * shape.hidden
         train["gathered"] = (2 * (P - embed) / max(1, shape.layers) + embed) * cb
     if cfg.reward.kind == "model":
