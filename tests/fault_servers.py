@@ -151,6 +151,11 @@ class RayWorkerNode:
     def start(self) -> None:
         ray = str(Path(sys.executable).with_name("ray"))
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        env = dict(os.environ)
+        # `ray start --head` turns token auth on (DESIGN.md §4), but a joining node only presents
+        # the token (~/.ray/auth_token) when told to
+        if env.get("RAY_AUTH_MODE") != "disabled":
+            env["RAY_AUTH_MODE"] = "token"
         self.proc = subprocess.Popen(
             [ray, "start", f"--address={self.gcs_address}", "--block", "--node-ip-address=127.0.0.1",
              f"--num-cpus={os.cpu_count() or 1}", f"--resources={json.dumps({'yatt_device': self.devices})}",
@@ -159,7 +164,7 @@ class RayWorkerNode:
                  "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                  "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
              ))],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )
 
     def processes(self) -> list[psutil.Process]:
