@@ -148,24 +148,39 @@ class RayWorkerNode:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, tries: int = 3, timeout_s: float = 120) -> None:
+        """Start the node and wait until it has joined; Ray gives a raylet 30 s to register,
+        which a loaded machine can miss, so a node that gave up is started again."""
         ray = str(Path(sys.executable).with_name("ray"))
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         env = dict(os.environ)
         # `ray start --head` turns token auth on (DESIGN.md §4), but a joining node only presents
         # the token (~/.ray/auth_token) when told to
         if env.get("RAY_AUTH_MODE") != "disabled":
             env["RAY_AUTH_MODE"] = "token"
-        self.proc = subprocess.Popen(
-            [ray, "start", f"--address={self.gcs_address}", "--block", "--node-ip-address=127.0.0.1",
-             f"--num-cpus={os.cpu_count() or 1}", f"--resources={json.dumps({'yatt_device': self.devices})}",
-             "--disable-usage-stats",
-             *(f"--{flag}={free_port()}" for flag in (
-                 "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-                 "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
-             ))],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-        )
+        for attempt in range(1, tries + 1):
+            offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+            log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+            self.proc = subprocess.Popen(
+                [ray, "start", f"--address={self.gcs_address}", "--block", "--node-ip-address=127.0.0.1",
+                 f"--num-cpus={os.cpu_count() or 1}", f"--resources={json.dumps({'yatt_device': self.devices})}",
+                 "--disable-usage-stats",
+                 *(f"--{flag}={free_port()}" for flag in (
+                     "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+                     "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
+                 ))],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+            )
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                with open(self.log_path, "rb") as f:
+                    f.seek(offset)
+                    if b"Ray runtime started" in f.read():
+                        return
+                time.sleep(0.5)
+            if self.proc.poll() is None:
+                self.kill()
+            if attempt == tries:
+                raise RuntimeError(f"the Ray worker node did not join; see {self.log_path}")
 
     def processes(self) -> list[psutil.Process]:
         """This node's processes: `ray start` and everything it started (raylet, its workers)."""

@@ -41,6 +41,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 TERMINAL = {"succeeded", "failed", "cancelled"}
 # Events the API writes itself (state moves, checkpoint notes, admission): not the trainer's reports.
 SERVER_EVENT_KINDS = {"state", "checkpoint", "admission"}
+# Deadlines, not expectations: a quiet machine needs a tenth of them; a shared one under load all.
+STARTUP_S, FINISH_S = 600.0, 900.0
 
 
 @dataclass
@@ -72,7 +74,13 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Drill]:
         broker.start()
         stack = Stack(root, database_url=postgres.url_for("yatt"), broker_url=broker.url)
         stack.yatt("db", "upgrade")
-        stack.start_ray(devices=0)
+        for tries_left in (2, 1, 0):
+            try:
+                stack.start_ray(devices=0)
+                break
+            except RuntimeError:  # Ray gives its raylet 30 s to register: a loaded machine misses it
+                if not tries_left:
+                    raise
         node = RayWorkerNode(stack.head.gcs_address, devices=2, log_path=root / "ray-node.log")
         node.start()
         wait_devices(stack, 2)
@@ -81,12 +89,14 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Drill]:
         token = stack.token()
         with httpx.Client(base_url=f"{stack.api_url}/api/v1", headers={"Authorization": f"Bearer {token}"},
                           timeout=30) as api:
-            yield Drill(stack, postgres, broker, node, api, root / "models" / "nano")
+            drill = Drill(stack, postgres, broker, node, api, root / "models" / "nano")
+            yield drill
+            node = drill.node  # the drill may have replaced it
     finally:
-        if stack is not None:
-            stack.down()  # also ends every process under the head's temp dir, the worker node's too
         if node is not None:
             node.kill()
+        if stack is not None:
+            stack.down()
         broker.destroy()
         postgres.destroy()
 
@@ -198,11 +208,11 @@ def stored_max_step(drill: Drill, run_id: int, key: str = "reward/mean") -> int:
 
 def test_postgres_restarted_mid_run_loses_and_doubles_nothing(drill: Drill) -> None:
     run = submit(drill.api, tiny_config(drill.model_dir, steps=150, checkpoint__every_steps=10))
-    running = wait_state(drill.api, run["id"], {"running"}, drill.stack)
+    running = wait_state(drill.api, run["id"], {"running"}, drill.stack, timeout_s=STARTUP_S)
     run_dir = Path(running["run_dir"])
     spool = run_dir / "spool" / "attempt-1"
     wait_for("the first stored checkpoint", lambda: drill.sql(
-        "SELECT 1 FROM checkpoints WHERE run_id = %s", run["id"]), 180)
+        "SELECT 1 FROM checkpoints WHERE run_id = %s", run["id"]), STARTUP_S)
     at_stop = stored_max_step(drill, run["id"])
 
     t_stop = time.monotonic()
@@ -215,17 +225,17 @@ def test_postgres_restarted_mid_run_loses_and_doubles_nothing(drill: Drill) -> N
         answers.append((resp.status_code, resp.json().get("detail"), time.monotonic() - t0))
         time.sleep(0.5)
     ready = httpx.get(f"{drill.stack.api_url}/readyz", timeout=10)
-    spooled = wait_for("the trainer to spool a report", lambda: len(list(spool.glob("*.json"))), 30)
+    spooled = wait_for("the trainer to spool a report", lambda: len(list(spool.glob("*.json"))), 120)
     time.sleep(max(0.0, 6 - (time.monotonic() - t_stop)))  # about six seconds of outage
     drill.postgres.start()
     t_up = time.monotonic()
     wait_for("/readyz after the restart", lambda: httpx.get(f"{drill.stack.api_url}/readyz", timeout=5)
              .status_code == 200, 60)
     ready_s = time.monotonic() - t_up
-    wait_for("the spool to drain", lambda: not list(spool.glob("*.json")), 120)
+    wait_for("the spool to drain", lambda: not list(spool.glob("*.json")), FINISH_S)
     drained_s = time.monotonic() - t_up
 
-    done = wait_state(drill.api, run["id"], TERMINAL, drill.stack, timeout_s=300)
+    done = wait_state(drill.api, run["id"], TERMINAL, drill.stack, timeout_s=FINISH_S)
     assert done["state"] == "succeeded", done.get("error")
     assert done["attempt"] == 1
     wait_for("the trainer's last reports", lambda: not list(spool.glob("*.json")), 60)
@@ -262,9 +272,9 @@ def worker_answers_ping(broker_url: str) -> bool:
 
 def test_redis_restarted_with_runs_training_and_queued_doubles_and_strands_none(drill: Drill) -> None:
     # two runs hold both devices, two more wait queued; the broker dies under them
-    runs = [submit(drill.api, tiny_config(drill.model_dir, steps=40)) for _ in range(4)]
-    wait_for("two runs training", lambda: sum(
-        drill.api.get(f"/runs/{r['id']}").json()["state"] == "running" for r in runs) >= 1, 240, 0.5)
+    runs = [submit(drill.api, tiny_config(drill.model_dir, steps=30)) for _ in range(4)]
+    wait_for("a run training", lambda: sum(
+        drill.api.get(f"/runs/{r['id']}").json()["state"] == "running" for r in runs) >= 1, STARTUP_S, 0.5)
     assert wait_for("the worker on the broker", lambda: worker_answers_ping(drill.broker.url), 30)
 
     t_kill = time.monotonic()
@@ -273,7 +283,7 @@ def test_redis_restarted_with_runs_training_and_queued_doubles_and_strands_none(
     post_s = []
     for _ in range(2):
         t0 = time.monotonic()
-        runs.append(submit(drill.api, tiny_config(drill.model_dir, steps=10)))
+        runs.append(submit(drill.api, tiny_config(drill.model_dir, steps=4)))
         post_s.append(time.monotonic() - t0)
     time.sleep(max(0.0, 5 - (time.monotonic() - t_kill)))
     drill.broker.start()
@@ -281,7 +291,7 @@ def test_redis_restarted_with_runs_training_and_queued_doubles_and_strands_none(
     wait_for("the worker to reconnect to the broker", lambda: worker_answers_ping(drill.broker.url), 120, 0.5)
     reconnect_s = time.monotonic() - t_up
 
-    finals = {r["id"]: wait_state(drill.api, r["id"], TERMINAL, drill.stack, timeout_s=420) for r in runs}
+    finals = {r["id"]: wait_state(drill.api, r["id"], TERMINAL, drill.stack, timeout_s=FINISH_S) for r in runs}
     all_done_s = time.monotonic() - t_up
     jobs = {run_id: ray_jobs_of(drill.stack, run_id) for run_id in finals}
     figures = {
@@ -302,12 +312,12 @@ def test_redis_restarted_with_runs_training_and_queued_doubles_and_strands_none(
 
 
 def test_ray_node_killed_mid_run_resumes_from_checkpoint_with_every_step_once(drill: Drill) -> None:
-    steps = 120
+    steps = 60
     run = submit(drill.api, tiny_config(drill.model_dir, steps=steps, checkpoint__every_steps=10), max_attempts=2)
-    running = wait_state(drill.api, run["id"], {"running"}, drill.stack)
+    running = wait_state(drill.api, run["id"], {"running"}, drill.stack, timeout_s=STARTUP_S)
     run_dir = Path(running["run_dir"])
     newest = wait_for("a stored checkpoint", lambda: drill.sql(
-        "SELECT max(step) FROM checkpoints WHERE run_id = %s HAVING count(*) > 0", run["id"]), 240)[0][0]
+        "SELECT max(step) FROM checkpoints WHERE run_id = %s HAVING count(*) > 0", run["id"]), STARTUP_S)[0][0]
     at_kill = stored_max_step(drill, run["id"])
 
     t_kill = time.monotonic()
@@ -315,10 +325,10 @@ def test_ray_node_killed_mid_run_resumes_from_checkpoint_with_every_step_once(dr
     # the node is gone for good; a replacement joins, as an autoscaler or an operator would add one
     drill.node = RayWorkerNode(drill.stack.head.gcs_address, devices=2, log_path=drill.stack.root / "ray-node-2.log")
     drill.node.start()
-    wait_for("training to go past the step of the kill", lambda: stored_max_step(drill, run["id"]) > at_kill, 300, 0.5)
+    wait_for("training to go past the step of the kill", lambda: stored_max_step(drill, run["id"]) > at_kill, FINISH_S, 0.5)
     recover_s = time.monotonic() - t_kill
 
-    done = wait_state(drill.api, run["id"], TERMINAL, drill.stack, timeout_s=420)
+    done = wait_state(drill.api, run["id"], TERMINAL, drill.stack, timeout_s=FINISH_S)
     assert done["state"] == "succeeded", done.get("error")
     wait_for("the trainer's last reports", lambda: not list((run_dir / "spool").glob("*/*.json")), 60)
     restarts = [e for e in events_of(drill.api, run["id"], "restart") if "resume_step" in (e.get("data") or {})]
