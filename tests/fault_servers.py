@@ -148,7 +148,7 @@ class RayWorkerNode:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, tries: int = 3, timeout_s: float = 120) -> None:
+    def start(self, tries: int = 5, timeout_s: float = 120) -> None:
         """Start the node and wait until it has joined; Ray gives a raylet 30 s to register,
         which a loaded machine can miss, so a node that gave up is started again."""
         ray = str(Path(sys.executable).with_name("ray"))

@@ -74,7 +74,7 @@ def drill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Drill]:
         broker.start()
         stack = Stack(root, database_url=postgres.url_for("yatt"), broker_url=broker.url)
         stack.yatt("db", "upgrade")
-        for tries_left in (2, 1, 0):
+        for tries_left in (4, 3, 2, 1, 0):
             try:
                 stack.start_ray(devices=0)
                 break
