@@ -2,8 +2,8 @@
 table: faults injected, points lost, runs doubled, runs stuck, time to recover. The table also
 goes into docs/reliability.md (between its `fault_drills` markers).
 
-    python bench/fault_drills.py            # all three drills, about 5 minutes on a quiet machine
-    python bench/fault_drills.py -k redis   # one of them (pytest's -k)
+    python bench/fault_drills.py            # all three drills (minutes; the table at the end)
+    python bench/fault_drills.py -k redis_restarted   # one of them (pytest's -k on the test name)
 """
 
 from __future__ import annotations
