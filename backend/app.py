@@ -14,7 +14,8 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.auth.routes import router as auth_router
@@ -124,6 +125,15 @@ def _unstorable(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+DATABASE_UNAVAILABLE = "database unavailable; retry shortly"
+
+
+def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    # Down, restarting or out of connections: the client may retry, so 503, not 500.
+    log.warning("database unavailable during %s %s: %s", request.method, request.url.path, exc)
+    return JSONResponse({"detail": DATABASE_UNAVAILABLE}, status_code=503, headers={"Retry-After": "1"})
+
+
 def _config_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ConfigError)
     detail = [
@@ -202,6 +212,8 @@ def create_app(settings: Settings | None = None, database: Database | None = Non
     app.add_exception_handler(DataError, _unstorable)
     app.add_exception_handler(OverflowError, _unstorable)  # SQLite: an int beyond 64 bits
     app.add_exception_handler(RequestValidationError, _request_invalid)
+    app.add_exception_handler(OperationalError, _database_unavailable)
+    app.add_exception_handler(PoolTimeout, _database_unavailable)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.get("/healthz", tags=["health"])

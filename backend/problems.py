@@ -40,4 +40,5 @@ COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: _error("No such resource in the token's project."),
     413: _error("The request body is larger than the limit."),
     422: _error("The request does not validate; each error names its field."),
+    503: _error("The database is unavailable (down or restarting); retry after `Retry-After` seconds."),
 }

@@ -74,13 +74,14 @@ class Stack:
             capture_output=True, text=True, timeout=timeout, check=check,
         )
 
-    def start_ray(self) -> None:
+    def start_ray(self, devices: int = 2) -> None:
+        """A local Ray head offering `devices` (0: every run must go to another node)."""
         from backend.dispatch.local_ray import start_head
         from backend.settings import Settings
 
         settings = Settings(data_dir=self.data_dir, database_url="sqlite://")
         self.head = start_head(
-            settings, port=free_port(), dashboard_port=free_port(), devices=2,
+            settings, port=free_port(), dashboard_port=free_port(), devices=devices,
             log_path=self.root / "ray-head.log",
         )
 
@@ -102,9 +103,9 @@ class Stack:
             pass
         proc.wait(timeout=30)
 
-    def up(self) -> Stack:
+    def up(self, head_devices: int = 2) -> Stack:
         self.yatt("db", "upgrade")
-        self.start_ray()
+        self.start_ray(head_devices)
         self.start("api")
         self.start("worker")
         return self

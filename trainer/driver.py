@@ -137,8 +137,8 @@ class Driver:
         results: list[dict[str, Any]] = []
         try:
             while True:
-                self._start_gang(placement, ControllerActor, RolloutActor, cfg_json, model_dir)
                 try:
+                    self._start_gang(placement, ControllerActor, RolloutActor, cfg_json, model_dir)
                     results = self._watch()
                     break
                 except _ControllerDied as died:
@@ -192,7 +192,11 @@ class Driver:
                 local_sampler=d in plan.local_sampler_devices, model_dir=model_dir)
             for r, d in enumerate(plan.train_devices)
         ]
-        addr, port = ray.get(self.controllers[0].address.remote(), timeout=600)
+        try:
+            addr, port = ray.get(self.controllers[0].address.remote(), timeout=600)
+        except ray.exceptions.RayActorError as exc:
+            # placed on a node that died before Ray noticed: a restart like any other, not the end
+            raise _ControllerDied(0, f"{type(exc).__name__}: {_short(exc)}") from None
         self._runs = {c.run.remote(addr, port): r for r, c in enumerate(self.controllers)}
 
     def _stop_gang(self) -> None:

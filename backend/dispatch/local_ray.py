@@ -83,7 +83,7 @@ def start_head(
     log_path: Path | None = None,
 ) -> LocalHead:
     """Start `ray start --head --block` and wait until its Jobs API answers."""
-    devices = devices or count_devices()
+    devices = count_devices() if devices is None else devices  # 0: a head that holds no run
     temp_dir = f"/tmp/yatt-ray-{dashboard_port}"  # short: Ray's unix socket paths are limited
     shutil.rmtree(temp_dir, ignore_errors=True)
     cmd = [
