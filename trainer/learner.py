@@ -462,14 +462,12 @@ class Learner:
                   ) -> tuple[Tensor, Tensor | None]:
         """Response-aligned log-probs ``[B, T]`` (and entropies) of ``model`` on the batch."""
         run = self._forwards.get(id(model)) or ResponseLogprobs(model)
-        with self.autocast():
-            return run(ids, attn, index, entropy=entropy, temperature=temperature,
-                       response_only=response_only)
+        return run(ids, attn, index, entropy=entropy, temperature=temperature,
+                   response_only=response_only)
 
     def _values(self, ids: Tensor, attn: Tensor, index: Tensor) -> Tensor:
         assert self.critic is not None
-        with self.autocast():
-            return self.critic(ids, attn)[:, :-1].float().gather(1, index)
+        return self.critic(ids, attn)[:, :-1].float().gather(1, index)
 
     def _idle_passes(self, count: int, *, train: bool = False, policy_old: bool = False,
                      reference: bool = False, critic: bool = False, temperature: float = 1.0) -> None:
@@ -822,14 +820,13 @@ class Learner:
 
     def _greedy(self, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
         out: list[str] = []
-        with self.autocast():
-            for i in range(0, len(prompts), batch_size):
-                enc = self.tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True,
-                                     add_special_tokens=False).to(self.device)
-                gen = self.policy.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                           pad_token_id=self.pad_id, eos_token_id=self.eos_id)
-                new = gen[:, enc["input_ids"].shape[1]:]
-                out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
+        for i in range(0, len(prompts), batch_size):
+            enc = self.tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True,
+                                 add_special_tokens=False).to(self.device)
+            gen = self.policy.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                       pad_token_id=self.pad_id, eos_token_id=self.eos_id)
+            new = gen[:, enc["input_ids"].shape[1]:]
+            out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
         return out
 
     def iter_named_weights(self) -> Iterator[tuple[str, Tensor]]:
