@@ -156,10 +156,19 @@ def ingest(
 
 
 _COLUMNS = "run_id, key, step, value, time, attempt"
-_OVERWRITE = (
-    "ON CONFLICT (run_id, key, step) DO UPDATE SET value = excluded.value, time = excluded.time, "
-    "attempt = excluded.attempt WHERE excluded.attempt >= metric_points.attempt"
-)
+
+
+def _overwrite(new_id: str) -> str:
+    # An overwritten point takes a new id, so live streams (which read a run's points by id)
+    # send it again with its step and attempt, and the chart replaces the old value.
+    return (
+        f"ON CONFLICT (run_id, key, step) DO UPDATE SET id = {new_id}, value = excluded.value, "
+        "time = excluded.time, attempt = excluded.attempt WHERE excluded.attempt >= metric_points.attempt"
+    )
+
+
+_OVERWRITE_POSTGRESQL = _overwrite("DEFAULT")  # the next value of the id sequence
+_OVERWRITE_SQLITE = _overwrite("(SELECT max(id) FROM metric_points) + 1")  # writers take turns
 
 
 def _upsert_points(db_session: Session, rows: list[tuple[int, str, int, float | None, float, int]]) -> None:
@@ -171,13 +180,13 @@ def _upsert_points(db_session: Session, rows: list[tuple[int, str, int, float | 
             cur.execute(
                 f"INSERT INTO metric_points ({_COLUMNS}) "
                 "SELECT %s, k, s, v, t, %s FROM unnest(%s::varchar[], %s::bigint[], %s::float8[], %s::float8[]) "
-                f"AS u(k, s, v, t) {_OVERWRITE}",
+                f"AS u(k, s, v, t) {_OVERWRITE_POSTGRESQL}",
                 (rows[0][0], rows[0][5], [r[1] for r in rows], [r[2] for r in rows],
                  [r[3] for r in rows], [r[4] for r in rows]),
             )
     else:
         conn.exec_driver_sql(
-            f"INSERT INTO metric_points ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) {_OVERWRITE}", rows
+            f"INSERT INTO metric_points ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) {_OVERWRITE_SQLITE}", rows
         )
 
 

@@ -9,6 +9,10 @@ What a client can rely on:
   lag window: rows above the floor are re-read each poll and sent once, and the floor only
   passes a row once it has been seen for `LAG_S` seconds. After a resume, rows in that window
   may come again: `(key, step)` identifies a point, `id` an event;
+- a point is sent again when it is overwritten (a resumed attempt repeats steps it reported, or
+  a batch is resent without its id): the row takes a new id, so it comes again with its key,
+  step and the `attempt` that wrote it. A client keeps one value per (key, step) and replaces
+  the one it holds: the series never holds a step twice;
 - the stream follows the run across retries (a `failed` attempt with attempts left is not the
   end; each new attempt is a `state` event) and ends after a final state has been sent.
 
@@ -89,7 +93,7 @@ def point_rows_after(db_session: Session, run_id: int, floor: int, limit: int = 
     mp = MetricPoint
     return list(
         db_session.execute(
-            select(mp.id, mp.key, mp.step, mp.value, mp.time)
+            select(mp.id, mp.key, mp.step, mp.value, mp.time, mp.attempt)
             .where(mp.run_id == run_id, mp.id > floor).order_by(mp.id).limit(limit)
         )
     )
@@ -109,7 +113,7 @@ def _sse(event: str, data: Any, event_id: str) -> ServerSentEvent:
 
 
 def _point(p: Any) -> dict[str, Any]:
-    return {"key": p.key, "step": p.step, "value": p.value, "time": p.time}
+    return {"key": p.key, "step": p.step, "value": p.value, "time": p.time, "attempt": p.attempt}
 
 
 def _state(run: Run) -> dict[str, Any]:

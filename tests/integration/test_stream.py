@@ -121,6 +121,35 @@ def test_stream_follows_a_run_across_its_retry(live_api: LiveAPI) -> None:
 
 
 @pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_a_step_a_resumed_attempt_overwrites_is_sent_again_and_replaces_the_old_value(live_api: LiveAPI) -> None:
+    run = live_api.client.create_run(experiment="exp", config=CONFIG, max_attempts=2)
+    listener = Listener(live_api, run["id"])
+    first = live_api.run_client(run["id"])
+    first.post_metrics(run["id"], points(0, 10), batch_id="a1-0")
+    listener.wait(lambda: sorted(listener.steps()) == list(range(10)))
+    finish(live_api, run["id"], "failed")
+    second = live_api.run_client(run["id"])  # attempt 2 resumes from step 5 with other values
+    second.post_metrics(run["id"], [{**p, "value": p["value"] + 100} for p in points(5, 15)], batch_id="a2-0")
+    sent = lambda: [(p["step"], p["attempt"]) for _, e, d in listener.received if e == "metric" for p in d["points"]]  # noqa: E731
+    listener.wait(lambda: {(s, 2) for s in range(5, 15)} <= set(sent()))
+    finish(live_api, run["id"], "succeeded")
+    listener.thread.join(20)
+    assert not listener.thread.is_alive()
+
+    # each overwritten step came once per attempt, the rewrite marked with the attempt that wrote it
+    assert sorted(s for s, _ in sent() if 5 <= s < 10) == sorted(list(range(5, 10)) * 2)
+    assert [a for s, a in sent() if 5 <= s < 10][-5:] == [2] * 5
+    # a client keeping one value per (key, step) ends with exactly what the API stores
+    held: dict[int, float] = {}
+    for _, e, d in listener.received:
+        if e == "metric":
+            held.update({p["step"]: p["value"] for p in d["points"]})
+    stored = live_api.client.metrics(run["id"], ["loss"], max_points=100)["loss"]
+    assert held == {p["step"]: p["value"] for p in stored}
+    assert len(stored) == 15 and held[5] == pytest.approx(100.5) and held[4] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
 def test_tampered_last_event_id_is_422(live_api: LiveAPI) -> None:
     run = live_api.client.create_run(experiment="exp", config=CONFIG)
     with httpx.Client(base_url=live_api.url + "/api/v1",
