@@ -296,25 +296,97 @@ def summaries(*, db_session: Session, run_id: int) -> list[MetricSummary]:
     )
 
 
-# One index seek per bucket: the first point at or after each bucket's start step. The cost
-# grows with max_points, not with the number of points stored, so a run with a million points
-# answers as fast as one with ten thousand.
-_SAMPLE_SQL = text(
+# Which points a downsampled series keeps first when the budget is tight (lower first).
+_LAST, _NONFINITE, _MAX, _MIN, _FIRST = range(5)
+
+
+# Buckets are runs of `width` steps from the series' first step. Per bucket: its first point
+# (one index seek per bucket, so the cost grows with max_points, not with the points stored;
+# PostgreSQL gets a LATERAL join, SQLite a correlated min() per bucket, both run as seeks).
+_FIRSTS_POSTGRESQL = text(
     """
-    WITH RECURSIVE buckets(i) AS (
-        SELECT CAST(0 AS BIGINT) UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < CAST(:n AS BIGINT)
-    )
-    SELECT p.step, p.value, p.time FROM metric_points p
-    WHERE p.id IN (
-        SELECT (
-            SELECT q.id FROM metric_points q
-            WHERE q.run_id = CAST(:run_id AS INTEGER) AND q.key = CAST(:key AS VARCHAR) AND q.step >= CAST(:lo AS BIGINT) + (buckets.i * CAST(:span AS BIGINT)) / CAST(:n AS BIGINT)
-            ORDER BY q.step LIMIT 1
-        ) FROM buckets
-    )
-    ORDER BY p.step
+    SELECT f.step, f.value, f.time
+    FROM generate_series(CAST(0 AS BIGINT), CAST(:buckets AS BIGINT) - 1) AS b(i)
+    CROSS JOIN LATERAL (
+        SELECT q.step, q.value, q.time FROM metric_points q
+        WHERE q.run_id = :run_id AND q.key = :key AND q.step >= CAST(:lo AS BIGINT) + b.i * CAST(:width AS BIGINT)
+        ORDER BY q.step LIMIT 1
+    ) AS f
     """
 )
+_FIRSTS_SQLITE = text(
+    """
+    WITH RECURSIVE buckets(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < :buckets),
+    firsts(step) AS (
+        SELECT (SELECT min(q.step) FROM metric_points q
+                WHERE q.run_id = :run_id AND q.key = :key AND q.step >= :lo + buckets.i * :width)
+        FROM buckets
+    )
+    SELECT p.step, p.value, p.time FROM firsts
+    JOIN metric_points p ON p.run_id = :run_id AND p.key = :key AND p.step = firsts.step
+    """
+)
+# The points at given steps. On PostgreSQL a plain `step IN (...)` can be planned as a scan of
+# the whole series when the table's statistics are stale (a fresh bulk load): a LATERAL seek
+# per step in index order cannot.
+_POINTS_AT_POSTGRESQL = text(
+    """
+    SELECT f.step, f.value, f.time FROM unnest(CAST(:steps AS BIGINT[])) AS w(step)
+    CROSS JOIN LATERAL (
+        SELECT q.step, q.value, q.time FROM metric_points q
+        WHERE q.run_id = :run_id AND q.key = :key AND q.step >= w.step
+        ORDER BY q.step LIMIT 1
+    ) AS f
+    WHERE f.step = w.step
+    """
+)
+# ...and its extremes, folded from the per-block extremes inside the database in one grouped
+# pass (a million-point series has 15,625 blocks; one row per bucket comes back): the steps of
+# its lowest min and highest max and its first non-finite step. A block counts in the bucket
+# of its first step.
+_BUCKET_OF_BLOCK = (
+    "CASE WHEN block * :block_steps <= :lo THEN 0 "
+    "ELSE (block * CAST(:block_steps AS BIGINT) - :lo) / CAST(:width AS BIGINT) END"
+)
+_OF_SERIES = "FROM metric_blocks WHERE run_id = :run_id AND key = :key"
+# PostgreSQL: (value, step) pairs compare as arrays, so min() of them is the lowest value at its
+# earliest step, and max() of (value, -step) the highest value at its earliest step.
+_BUCKET_EXTREMES_POSTGRESQL = [text(
+    "SELECT min(CASE WHEN min_value IS NOT NULL THEN ARRAY[min_value, CAST(min_step AS FLOAT8)] END), "
+    "max(CASE WHEN max_value IS NOT NULL THEN ARRAY[max_value, -CAST(max_step AS FLOAT8)] END), "
+    f"min(nonfinite_step) {_OF_SERIES} GROUP BY {_BUCKET_OF_BLOCK}"
+)]
+# SQLite: a bare column beside a single min() or max() comes from the row holding it, so one
+# grouped pass per extreme.
+_BUCKET_EXTREMES_SQLITE = [
+    text(f"SELECT min(min_value), min_step {_OF_SERIES} AND min_value IS NOT NULL GROUP BY {_BUCKET_OF_BLOCK}"),
+    text(f"SELECT max(max_value), max_step {_OF_SERIES} AND max_value IS NOT NULL GROUP BY {_BUCKET_OF_BLOCK}"),
+    text(f"SELECT min(nonfinite_step) {_OF_SERIES} AND nonfinite_step IS NOT NULL GROUP BY {_BUCKET_OF_BLOCK}"),
+]
+
+
+def _bucket_extremes(db_session: Session, params: dict[str, Any]) -> dict[int, int]:
+    """The steps worth keeping for their values, each with its priority (see `_downsample`)."""
+    wanted: dict[int, int] = {}
+
+    def want(step: Any, priority: int) -> None:
+        if step is not None and priority < wanted.get(int(step), _FIRST + 1):
+            wanted[int(step)] = priority
+
+    if db_session.get_bind().dialect.name == "postgresql":
+        for low, high, nonfinite in db_session.execute(_BUCKET_EXTREMES_POSTGRESQL[0], params):
+            want(low[1] if low else None, _MIN)
+            want(-high[1] if high else None, _MAX)
+            want(nonfinite, _NONFINITE)
+        return wanted
+    lows, highs, nonfinites = _BUCKET_EXTREMES_SQLITE
+    for _, step in db_session.execute(lows, params):
+        want(step, _MIN)
+    for _, step in db_session.execute(highs, params):
+        want(step, _MAX)
+    for (step,) in db_session.execute(nonfinites, params):
+        want(step, _NONFINITE)
+    return wanted
 
 
 def _points(rows: Iterable[Any]) -> list[dict[str, Any]]:
@@ -329,40 +401,48 @@ def series(
     buckets, and each bucket keeps its first point, its lowest and highest values and its
     first non-finite step (null), plus the series' last point. Keys with no points come back
     empty."""
-    counts = {
-        s.key: s.count
-        for s in db_session.scalars(select(MetricSummary).where(MetricSummary.run_id == run_id))
+    summary_of = {
+        s.key: s for s in db_session.scalars(select(MetricSummary).where(MetricSummary.run_id == run_id))
     }
-    wanted = list(dict.fromkeys(keys)) if keys else sorted(counts)
+    wanted = list(dict.fromkeys(keys)) if keys else sorted(summary_of)
     out: dict[str, list[dict[str, Any]]] = {}
     mp = MetricPoint
     for key in wanted:
-        count = counts.get(key, 0)
+        summary = summary_of.get(key)
         where = (mp.run_id == run_id, mp.key == key)
-        if count == 0:
+        if summary is None or summary.count == 0:
             out[key] = []
-        elif count <= max_points:
+        elif summary.count <= max_points:
             rows = db_session.execute(select(mp.step, mp.value, mp.time).where(*where).order_by(mp.step))
             out[key] = _points(rows)
         else:
-            out[key] = _downsample(db_session, run_id, key, max_points)
+            out[key] = _downsample(db_session, run_id, key, max_points, summary)
     return out
 
 
-# Which points a downsampled series keeps first when the budget is tight (lower first).
-_LAST, _NONFINITE, _MAX, _MIN, _FIRST = range(5)
+def _points_at(db_session: Session, run_id: int, key: str, steps: list[int]) -> list[dict[str, Any]]:
+    """The stored points of `key` at `steps` (those that exist)."""
+    if db_session.get_bind().dialect.name == "postgresql":
+        params = {"run_id": run_id, "key": key, "steps": steps}
+        return _points(db_session.execute(_POINTS_AT_POSTGRESQL, params))
+    mp, out = MetricPoint, []
+    for start in range(0, len(steps), 500):  # SQLite's limit on bound parameters
+        at = (mp.run_id == run_id, mp.key == key, mp.step.in_(steps[start : start + 500]))
+        out += _points(db_session.execute(select(mp.step, mp.value, mp.time).where(*at)))
+    return out
 
 
-def _downsample(db_session: Session, run_id: int, key: str, max_points: int) -> list[dict[str, Any]]:
-    mp, mb = MetricPoint, MetricBlock
+def _downsample(
+    db_session: Session, run_id: int, key: str, max_points: int, last: MetricSummary
+) -> list[dict[str, Any]]:
+    mp = MetricPoint
     where = (mp.run_id == run_id, mp.key == key)
-    # two index seeks; SQLite would scan the whole series for min() and max() together
+    # one index seek; SQLite would scan the whole series for min() and max() together
     lo = db_session.execute(select(mp.step).where(*where).order_by(mp.step).limit(1)).scalar_one()
-    last = db_session.execute(
-        select(mp.step, mp.value, mp.time).where(*where).order_by(mp.step.desc()).limit(1)
-    ).one()
-    span = last[0] - lo + 1
-    n = max(1, (max_points - 1) // 4)
+    span = last.latest_step - lo + 1
+    width = -(-span // max(1, (max_points - 1) // 4))  # up to 4 points a bucket, plus the last
+    params = {"run_id": run_id, "key": key, "lo": lo, "width": width, "buckets": -(-span // width),
+              "block_steps": BLOCK_STEPS}
     keep: dict[int, tuple[int, dict[str, Any]]] = {}
 
     def offer(priority: int, point: dict[str, Any]) -> None:
@@ -370,38 +450,14 @@ def _downsample(db_session: Session, run_id: int, key: str, max_points: int) -> 
         if held is None or priority < held[0]:
             keep[point["step"]] = (priority, point)
 
-    for p in _points(
-        db_session.execute(_SAMPLE_SQL, {"n": n, "run_id": run_id, "key": key, "lo": lo, "span": span})
-    ):
+    firsts = _FIRSTS_POSTGRESQL if db_session.get_bind().dialect.name == "postgresql" else _FIRSTS_SQLITE
+    for p in _points(db_session.execute(firsts, params)):
         offer(_FIRST, p)
-    offer(_LAST, {"step": last[0], "value": last[1], "time": last[2]})
+    offer(_LAST, {"step": last.latest_step, "value": last.latest, "time": last.latest_time})
 
-    # extremes per bucket, from the per-block extremes (never from the raw series)
-    lows: dict[int, tuple[float, int | None]] = {}
-    highs: dict[int, tuple[float, int | None]] = {}
-    nonfinite: dict[int, int] = {}
-    for block, lo_v, lo_s, hi_v, hi_s, nf in db_session.execute(
-        select(mb.block, mb.min_value, mb.min_step, mb.max_value, mb.max_step, mb.nonfinite_step)
-        .where(mb.run_id == run_id, mb.key == key)
-    ):
-        b = min(n - 1, max(0, (block * BLOCK_STEPS - lo) * n // span))
-        if lo_v is not None and (b not in lows or lo_v < lows[b][0]):
-            lows[b] = (lo_v, lo_s)
-        if hi_v is not None and (b not in highs or hi_v > highs[b][0]):
-            highs[b] = (hi_v, hi_s)
-        if nf is not None and (b not in nonfinite or nf < nonfinite[b]):
-            nonfinite[b] = nf
-    wanted = {s: _MIN for _, s in lows.values() if s is not None}
-    wanted.update({s: _MAX for _, s in highs.values() if s is not None})
-    wanted.update({s: _NONFINITE for s in nonfinite.values()})
-    steps = sorted(wanted)
-    for start in range(0, len(steps), 500):
-        for p in _points(
-            db_session.execute(
-                select(mp.step, mp.value, mp.time).where(*where, mp.step.in_(steps[start : start + 500]))
-            )
-        ):
-            offer(wanted[p["step"]], p)
+    wanted = _bucket_extremes(db_session, params)
+    for p in _points_at(db_session, run_id, key, sorted(wanted)):
+        offer(wanted[p["step"]], p)
     chosen = sorted(keep.values(), key=lambda held: (held[0], held[1]["step"]))[:max_points]
     return sorted((p for _, p in chosen), key=lambda p: p["step"])
 

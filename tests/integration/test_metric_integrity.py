@@ -4,6 +4,7 @@ late points neither double nor lose anything, and counts/min/max match what is s
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,42 @@ def test_overwriting_the_extreme_recomputes_min_max_and_blocks(live_api: LiveAPI
         extremes = (block.max_value, block.max_step, block.min_value, block.min_step)
     assert total == 100
     assert extremes == (2.0, 50, -5.0, 60)
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_downsampling_keeps_every_buckets_extremes_and_first_non_finite_step(live_api: LiveAPI) -> None:
+    """Each bucket of steps (`width` steps from the first; a 64-step block counts in the bucket
+    of its first step) keeps its lowest and highest value and its first NaN, as stored points."""
+    run = _run(live_api)
+    live_api.start_attempt(run["id"])
+    rng = random.Random(3)
+    n, first, max_points = 20_000, 40, 200
+    values = {s: rng.gauss(0, 1) for s in range(first, first + n)}
+    for s in rng.sample(sorted(values), 30):
+        values[s] = rng.choice([math.nan, math.inf, 40.0, -40.0])
+    points = [MetricPointIn.model_construct(key="loss", step=s, value=v, time=float(s)) for s, v in values.items()]
+    with live_api.database.session() as session:
+        ingest(db_session=session, run_id=run["id"], points=points)
+
+    series = live_api.client.metrics(run["id"], ["loss"], max_points=max_points)["loss"]
+    assert len(series) <= max_points
+    got = {p["step"]: p["value"] for p in series}
+    for step, value in got.items():  # real points only
+        stored = values[step]
+        assert (value is None and not math.isfinite(stored)) or value == stored
+    width = -(-n // ((max_points - 1) // 4))
+    buckets: dict[int, list[int]] = {}
+    for s in values:
+        block_start = s // 64 * 64
+        buckets.setdefault(max(0, block_start - first) // width if block_start > first else 0, []).append(s)
+    for steps in buckets.values():
+        finite = [s for s in steps if math.isfinite(values[s])]
+        assert min(values[s] for s in finite) in got.values()
+        assert max(values[s] for s in finite) in got.values()
+        nonfinite = [s for s in steps if not math.isfinite(values[s])]
+        if nonfinite:
+            assert got.get(min(nonfinite), 0.0) is None
+    assert max(got) == first + n - 1 and min(got) == first
 
 
 def test_a_spike_and_a_nan_survive_downsampling_a_million_points(live_api: LiveAPI) -> None:
