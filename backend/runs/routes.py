@@ -345,11 +345,14 @@ def report_state(run: StateWritableRun, body: StateUpdate, principal: CurrentPri
 
 
 @router.post("/runs/{run_id}/events", response_model=Accepted, tags=["events"])
-def post_events(run: WritableRun, body: EventBatch, db_session: SessionDep) -> Accepted:
-    """Append to the run's timeline (placement, phase_spans, restart, warning, eval, checkpoint)."""
-    n = service.add_events(db_session=db_session, run=run, events=body.events)
+def post_events(run: WritableRun, body: EventBatch, db_session: SessionDep, response: Response) -> Accepted:
+    """Append to the run's timeline (placement, phase_spans, restart, warning, eval, checkpoint).
+    A batch whose `batch_id` the run has applied before changes nothing."""
+    done = service.add_events(db_session=db_session, run=run, events=body.events, batch_id=body.batch_id)
     db_session.commit()
-    return Accepted(accepted=n)
+    if done.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return Accepted(accepted=done.accepted)
 
 
 @router.get("/runs/{run_id}/events", response_model=list[EventOut], tags=["events"])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, exists, func, null, or_, select
+from sqlalchemy import ColumnElement, and_, bindparam, exists, func, null, or_, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, load_only
 
@@ -29,7 +29,15 @@ from backend.metrics import service as metric_service
 from backend.metrics.models import MetricSummary
 from backend.metrics.sort_index import RunMetricValue
 from backend.runs import search
-from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
+from backend.runs.models import (
+    AppliedEventBatch,
+    Checkpoint,
+    Experiment,
+    Run,
+    RunAttempt,
+    RunEvent,
+    RunTag,
+)
 from backend.runs.schemas import CheckpointIn, EventIn, RunCreate
 from backend.runs.state import TERMINAL, IllegalTransition, RunState, check_transition
 from trainer.config import parse_config
@@ -704,9 +712,40 @@ def compare_runs(
 # --- events and checkpoints -----------------------------------------------------------------------
 
 
-def add_events(*, db_session: Session, run: Run, events: Sequence[EventIn]) -> int:
-    """Append timeline events to a run; returns how many."""
+@dataclass(frozen=True)
+class EventsAdded:
+    """What one events post did: the events it stored, and whether the batch id was seen before."""
+
+    accepted: int
+    replayed: bool = False
+
+
+# the same SQL on SQLite and PostgreSQL; a concurrent twin waits for the first to commit
+_CLAIM_EVENT_BATCH = text(
+    "INSERT INTO event_batches (run_id, batch_id, attempt, events, created_at) "
+    "VALUES (:run_id, :batch_id, :attempt, :events, :created_at) ON CONFLICT DO NOTHING RETURNING batch_id"
+).bindparams(bindparam("created_at", type_=AppliedEventBatch.__table__.c.created_at.type))
+
+
+def add_events(
+    *, db_session: Session, run: Run, events: Sequence[EventIn], batch_id: str | None = None
+) -> EventsAdded:
+    """Append timeline events to a run. A batch whose `batch_id` this run has already applied
+    changes nothing (`replayed`, with the number of events it stored then)."""
     now = utcnow()
+    if batch_id is not None:
+        claimed = db_session.execute(
+            _CLAIM_EVENT_BATCH,
+            {"run_id": run.id, "batch_id": batch_id, "attempt": run.attempt, "events": len(events),
+             "created_at": now},
+        ).scalar()
+        if claimed is None:
+            stored = db_session.scalar(
+                select(AppliedEventBatch.events).where(
+                    AppliedEventBatch.run_id == run.id, AppliedEventBatch.batch_id == batch_id
+                )
+            )
+            return EventsAdded(int(stored or 0), replayed=True)
     db_session.add_all(
         RunEvent(
             run_id=run.id,
@@ -719,7 +758,7 @@ def add_events(*, db_session: Session, run: Run, events: Sequence[EventIn]) -> i
         for e in events
     )
     db_session.flush()
-    return len(events)
+    return EventsAdded(len(events))
 
 
 def list_events(

@@ -78,6 +78,30 @@ def test_retried_batches_and_a_resume_leave_one_point_per_key_and_step(live_api:
 
 
 @pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_a_retried_events_batch_is_stored_once(live_api: LiveAPI) -> None:
+    run = _run(live_api)
+    events = [{"kind": "placement", "message": "colocate on 2 devices"}, {"kind": "warning", "message": "slow"}]
+    with live_api.run_client(run["id"]) as trainer:
+        for _ in range(3):  # the reporter timed out twice and resent the same batch
+            assert trainer.post_events(run["id"], events, batch_id="a1-000000000007") == 2
+        raw = httpx.post(f"{live_api.url}/api/v1/runs/{run['id']}/events",
+                         headers={"Authorization": f"Bearer {trainer.token}"},
+                         json={"batch_id": "a1-000000000007", "events": events})
+        assert raw.status_code == 200 and raw.headers["Idempotent-Replayed"] == "true"
+        assert raw.json()["accepted"] == 2
+        # a new batch id (or none) is news; the same id in the metrics namespace is another batch
+        assert trainer.post_events(run["id"], events[:1], batch_id="a1-000000000008") == 1
+        assert trainer.post_events(run["id"], events[:1]) == 1
+        assert trainer.post_metrics(run["id"], _points(range(1), ("loss",)), batch_id="a1-000000000007") == 1
+        bad = httpx.post(f"{live_api.url}/api/v1/runs/{run['id']}/events",
+                         headers={"Authorization": f"Bearer {trainer.token}"},
+                         json={"batch_id": "no spaces", "events": events})
+        assert bad.status_code == 422 and "batch_id" in bad.text
+    timeline = [e for e in live_api.client.events(run["id"]) if e["kind"] in ("placement", "warning")]
+    assert [e["kind"] for e in timeline] == ["placement", "warning", "placement", "placement"]
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
 def test_overwriting_the_extreme_recomputes_min_max_and_blocks(live_api: LiveAPI) -> None:
     run = _run(live_api)
     with live_api.run_client(run["id"]) as c:
