@@ -351,11 +351,11 @@ _BUCKET_OF_BLOCK = (
 _OF_SERIES = "FROM metric_blocks WHERE run_id = :run_id AND key = :key"
 # PostgreSQL: (value, step) pairs compare as arrays, so min() of them is the lowest value at its
 # earliest step, and max() of (value, -step) the highest value at its earliest step.
-_BUCKET_EXTREMES_POSTGRESQL = [text(
+_BUCKET_EXTREMES_POSTGRESQL = text(
     "SELECT min(CASE WHEN min_value IS NOT NULL THEN ARRAY[min_value, CAST(min_step AS FLOAT8)] END), "
     "max(CASE WHEN max_value IS NOT NULL THEN ARRAY[max_value, -CAST(max_step AS FLOAT8)] END), "
     f"min(nonfinite_step) {_OF_SERIES} GROUP BY {_BUCKET_OF_BLOCK}"
-)]
+)
 # SQLite: a bare column beside a single min() or max() comes from the row holding it, so one
 # grouped pass per extreme.
 _BUCKET_EXTREMES_SQLITE = [
@@ -374,7 +374,7 @@ def _bucket_extremes(db_session: Session, params: dict[str, Any]) -> dict[int, i
             wanted[int(step)] = priority
 
     if db_session.get_bind().dialect.name == "postgresql":
-        for low, high, nonfinite in db_session.execute(_BUCKET_EXTREMES_POSTGRESQL[0], params):
+        for low, high, nonfinite in db_session.execute(_BUCKET_EXTREMES_POSTGRESQL, params):
             want(low[1] if low else None, _MIN)
             want(-high[1] if high else None, _MAX)
             want(nonfinite, _NONFINITE)
