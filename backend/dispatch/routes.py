@@ -104,7 +104,10 @@ async def follow_log(
             except (LookupError, RayUnavailable):
                 live_tail = None  # poll for the rest of this stream
             if not carried:
-                await asyncio.sleep(wait)  # nothing new came: do not reconnect at once
+                # A tail that closes with nothing new while the job runs is broken (Ray 2.60's
+                # dashboard proxy drops the WebSocket here: "Unknown msg type: 258"): poll instead.
+                live_tail = None
+                await asyncio.sleep(wait)
         else:
             await asyncio.sleep(wait)
         snap = await read()

@@ -126,3 +126,18 @@ def test_when_the_live_tail_fails_the_log_is_polled_instead() -> None:
         tail=None,
     )
     assert chunks == ["one\n", "two\n", "three\n"] and reads == 2 and opened == ["s"]
+
+
+def test_a_live_tail_that_closes_at_once_is_not_reopened_on_every_poll() -> None:
+    log = "one\n"
+    chunks, reads, opened = follow_with_live_tail(
+        [
+            LogSnapshot(log, True, "running", "s"),
+            LogSnapshot(log, True, "running", "s"),
+            LogSnapshot(log + "two\n", True, "running", "s"),
+            LogSnapshot(log + "two\n", False, "succeeded"),
+        ],
+        [["one\n"]],  # the whole log so far, then closed while the job still runs
+        tail=None,
+    )
+    assert chunks == ["one\n", "two\n"] and reads == 3 and opened == ["s"]
