@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -170,6 +171,11 @@ def create_app(settings: Settings | None = None, database: Database | None = Non
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = database is None
         app.state.db = database or Database.from_settings(settings)
+        # Everything alive at startup (modules, models, schemas: ~120,000 objects) lives as long
+        # as the process: frozen out of the collector's sight, a full collection during a request
+        # scans only what came after, not a 40-100 ms pass over all of it (the p95 of big lists).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:

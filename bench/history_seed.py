@@ -5,9 +5,10 @@ bulk-inserted through the service's own models into a migrated SQLite or Postgre
 
 Used by bench/history_scale.py and by the History page's browser test. Rows go in with
 executemany inserts on the models' tables (the ORM unit of work would take minutes for
-100,000 runs); the search index's triggers are lifted during the load and the index and the
-metric sort index are rebuilt in one statement each afterwards — the same functions the
-migration uses, so what is seeded is what the service would have written.
+100,000 runs); the search index's and the run counts' triggers are lifted during the load and
+the index, the experiments' run counts and the metric sort index are rebuilt in one statement
+each afterwards — the same functions the migrations use, so what is seeded is what the
+service would have written.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from backend.auth.models import Role
 from backend.db import Database, UTCDateTime
 from backend.metrics import sort_index
 from backend.metrics.models import MetricSummary
-from backend.runs import search
+from backend.runs import run_counts, search
 from backend.runs.models import Experiment, Run, RunAttempt, RunTag
 from trainer.config import parse_config
 
@@ -148,6 +149,7 @@ def seed_history(
 
     with database.engine.begin() as conn:
         search.uninstall(conn)  # one rebuild below instead of a trigger call per row
+        run_counts.uninstall(conn)  # likewise: one recount below
         conn.execute(
             insert(Experiment),
             [
@@ -228,6 +230,8 @@ def seed_history(
             conn.exec_driver_sql("SELECT setval('runs_id_seq', (SELECT max(id) FROM runs))")
         search.install(conn)
         search.rebuild(conn)
+        run_counts.install(conn)
+        run_counts.recount(conn)
     with database.session() as s:
         sort_index.rebuild(db_session=s)
     run_ids = list(range(first_id, first_id + runs))

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time as _time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import case, delete, func, insert, select, text
+from sqlalchemy import asc, case, delete, desc, func, insert, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from backend.db import utcnow
 from backend.metrics import sort_index
@@ -296,99 +297,6 @@ def summaries(*, db_session: Session, run_id: int) -> list[MetricSummary]:
     )
 
 
-# Which points a downsampled series keeps first when the budget is tight (lower first).
-_LAST, _NONFINITE, _MAX, _MIN, _FIRST = range(5)
-
-
-# Buckets are runs of `width` steps from the series' first step. Per bucket: its first point
-# (one index seek per bucket, so the cost grows with max_points, not with the points stored;
-# PostgreSQL gets a LATERAL join, SQLite a correlated min() per bucket, both run as seeks).
-_FIRSTS_POSTGRESQL = text(
-    """
-    SELECT f.step, f.value, f.time
-    FROM generate_series(CAST(0 AS BIGINT), CAST(:buckets AS BIGINT) - 1) AS b(i)
-    CROSS JOIN LATERAL (
-        SELECT q.step, q.value, q.time FROM metric_points q
-        WHERE q.run_id = :run_id AND q.key = :key AND q.step >= CAST(:lo AS BIGINT) + b.i * CAST(:width AS BIGINT)
-        ORDER BY q.step LIMIT 1
-    ) AS f
-    """
-)
-_FIRSTS_SQLITE = text(
-    """
-    WITH RECURSIVE buckets(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < :buckets),
-    firsts(step) AS (
-        SELECT (SELECT min(q.step) FROM metric_points q
-                WHERE q.run_id = :run_id AND q.key = :key AND q.step >= :lo + buckets.i * :width)
-        FROM buckets
-    )
-    SELECT p.step, p.value, p.time FROM firsts
-    JOIN metric_points p ON p.run_id = :run_id AND p.key = :key AND p.step = firsts.step
-    """
-)
-# The points at given steps. On PostgreSQL a plain `step IN (...)` can be planned as a scan of
-# the whole series when the table's statistics are stale (a fresh bulk load): a LATERAL seek
-# per step in index order cannot.
-_POINTS_AT_POSTGRESQL = text(
-    """
-    SELECT f.step, f.value, f.time FROM unnest(CAST(:steps AS BIGINT[])) AS w(step)
-    CROSS JOIN LATERAL (
-        SELECT q.step, q.value, q.time FROM metric_points q
-        WHERE q.run_id = :run_id AND q.key = :key AND q.step >= w.step
-        ORDER BY q.step LIMIT 1
-    ) AS f
-    WHERE f.step = w.step
-    """
-)
-# ...and its extremes, folded from the per-block extremes inside the database in one grouped
-# pass (a million-point series has 15,625 blocks; one row per bucket comes back): the steps of
-# its lowest min and highest max and its first non-finite step. A block counts in the bucket
-# of its first step.
-_BUCKET_OF_BLOCK = (
-    "CASE WHEN block * :block_steps <= :lo THEN 0 "
-    "ELSE (block * CAST(:block_steps AS BIGINT) - :lo) / CAST(:width AS BIGINT) END"
-)
-_OF_SERIES = "FROM metric_blocks WHERE run_id = :run_id AND key = :key"
-# PostgreSQL: (value, step) pairs compare as arrays, so min() of them is the lowest value at its
-# earliest step, and max() of (value, -step) the highest value at its earliest step.
-_BUCKET_EXTREMES_POSTGRESQL = text(
-    "SELECT min(CASE WHEN min_value IS NOT NULL THEN ARRAY[min_value, CAST(min_step AS FLOAT8)] END), "
-    "max(CASE WHEN max_value IS NOT NULL THEN ARRAY[max_value, -CAST(max_step AS FLOAT8)] END), "
-    f"min(nonfinite_step) {_OF_SERIES} GROUP BY {_BUCKET_OF_BLOCK}"
-)
-# SQLite: a bare column beside a single min() or max() comes from the row holding it, so one
-# grouped pass per extreme.
-_BUCKET_EXTREMES_SQLITE = [
-    text(f"SELECT min(min_value), min_step {_OF_SERIES} AND min_value IS NOT NULL GROUP BY {_BUCKET_OF_BLOCK}"),
-    text(f"SELECT max(max_value), max_step {_OF_SERIES} AND max_value IS NOT NULL GROUP BY {_BUCKET_OF_BLOCK}"),
-    text(f"SELECT min(nonfinite_step) {_OF_SERIES} AND nonfinite_step IS NOT NULL GROUP BY {_BUCKET_OF_BLOCK}"),
-]
-
-
-def _bucket_extremes(db_session: Session, params: dict[str, Any]) -> dict[int, int]:
-    """The steps worth keeping for their values, each with its priority (see `_downsample`)."""
-    wanted: dict[int, int] = {}
-
-    def want(step: Any, priority: int) -> None:
-        if step is not None and priority < wanted.get(int(step), _FIRST + 1):
-            wanted[int(step)] = priority
-
-    if db_session.get_bind().dialect.name == "postgresql":
-        for low, high, nonfinite in db_session.execute(_BUCKET_EXTREMES_POSTGRESQL, params):
-            want(low[1] if low else None, _MIN)
-            want(-high[1] if high else None, _MAX)
-            want(nonfinite, _NONFINITE)
-        return wanted
-    lows, highs, nonfinites = _BUCKET_EXTREMES_SQLITE
-    for _, step in db_session.execute(lows, params):
-        want(step, _MIN)
-    for _, step in db_session.execute(highs, params):
-        want(step, _MAX)
-    for (step,) in db_session.execute(nonfinites, params):
-        want(step, _NONFINITE)
-    return wanted
-
-
 def _points(rows: Iterable[Any]) -> list[dict[str, Any]]:
     return [{"step": r[0], "value": r[1], "time": r[2]} for r in rows]
 
@@ -400,66 +308,187 @@ def series(
     downsampled so that nothing a person must see disappears: its step range is cut into
     buckets, and each bucket keeps its first point, its lowest and highest values and its
     first non-finite step (null), plus the series' last point. Keys with no points come back
-    empty."""
-    summary_of = {
-        s.key: s for s in db_session.scalars(select(MetricSummary).where(MetricSummary.run_id == run_id))
+    empty; no keys means every key the run has."""
+    return series_of_runs(db_session=db_session, keys_by_run={run_id: keys}, max_points=max_points)[run_id]
+
+
+Series = tuple[int, str]  # (run id, key)
+
+
+def series_of_runs(
+    *, db_session: Session, keys_by_run: Mapping[int, Sequence[str] | None], max_points: int = 1000
+) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    """`series` of several runs at once — {run_id: {key: points}} — in five queries whatever the
+    number of runs and keys (the Compare page's twenty runs cost what one run does)."""
+    ms = MetricSummary
+    run_ids = list(keys_by_run)
+    if not run_ids:
+        return {}
+
+    def step_at(end: Any) -> Any:  # one index seek: a series' first or last step
+        mp = aliased(MetricPoint)
+        return (
+            select(mp.step).where(mp.run_id == ms.run_id, mp.key == ms.key)
+            .order_by(end(mp.step)).limit(1).correlate(ms).scalar_subquery()
+        )
+
+    stored = select(ms.run_id, ms.key, ms.count, step_at(asc), step_at(desc)).where(ms.run_id.in_(run_ids))
+    if all(keys for keys in keys_by_run.values()):
+        stored = stored.where(ms.key.in_(sorted({k for keys in keys_by_run.values() for k in keys or ()})))
+    found: dict[Series, tuple[int, int | None, int | None]] = {  # (count, first step, last step)
+        (run_id, key): (count, first, last) for run_id, key, count, first, last in db_session.execute(stored)
     }
-    wanted = list(dict.fromkeys(keys)) if keys else sorted(summary_of)
-    out: dict[str, list[dict[str, Any]]] = {}
-    mp = MetricPoint
-    for key in wanted:
-        summary = summary_of.get(key)
-        where = (mp.run_id == run_id, mp.key == key)
-        if summary is None or summary.count == 0:
-            out[key] = []
-        elif summary.count <= max_points:
-            rows = db_session.execute(select(mp.step, mp.value, mp.time).where(*where).order_by(mp.step))
-            out[key] = _points(rows)
-        else:
-            out[key] = _downsample(db_session, run_id, key, max_points, summary)
-    return out
+    wanted = {
+        run_id: list(dict.fromkeys(keys)) if keys else sorted(k for r, k in found if r == run_id)
+        for run_id, keys in keys_by_run.items()
+    }
+    stored_points = [s for s in found if s[1] in wanted[s[0]] and found[s][1] is not None]
+    short = [s for s in stored_points if found[s][0] <= max_points]
+    long = [s for s in stored_points if found[s][0] > max_points]
+    points: dict[Series, list[dict[str, Any]]] = {s: [] for s in short}
+    if short:
+        short_rows, params = _rows_param(db_session, "s", {"run_id": "integer", "key": "varchar"}, short)
+        every_point = _points_join(db_session, "q.run_id = s.run_id AND q.key = s.key", first_only=False)
+        for run_id, key, *point in db_session.execute(
+            text(f"SELECT s.run_id, s.key, p.step, p.value, p.time FROM {short_rows} {every_point} "
+                 "ORDER BY s.run_id, s.key, p.step"),
+            params,
+        ).all():
+            points[(run_id, key)].append({"step": point[0], "value": point[1], "time": point[2]})
+    if long:
+        points.update(_downsample(db_session, {s: (found[s][1] or 0, found[s][2] or 0) for s in long}, max_points))
+    return {run_id: {k: points.get((run_id, k), []) for k in keys} for run_id, keys in wanted.items()}
 
 
-def _points_at(db_session: Session, run_id: int, key: str, steps: list[int]) -> list[dict[str, Any]]:
-    """The stored points of `key` at `steps` (those that exist)."""
+def _rows_param(db_session: Session, name: str, columns: Mapping[str, str], rows: Sequence[tuple[Any, ...]]) -> tuple[str, dict[str, Any]]:
+    """A FROM item `name` with `columns` ({column: SQL type}) holding `rows`, and its parameters:
+    one array per column on PostgreSQL (unnest), one JSON text on SQLite (json_each). The
+    statement's text is the same for any number of rows, so it is parsed once and cached,
+    where thousands of bound VALUES cost more to send than the query costs to run."""
     if db_session.get_bind().dialect.name == "postgresql":
-        params = {"run_id": run_id, "key": key, "steps": steps}
-        return _points(db_session.execute(_POINTS_AT_POSTGRESQL, params))
-    mp, out = MetricPoint, []
-    for start in range(0, len(steps), 500):  # SQLite's limit on bound parameters
-        at = (mp.run_id == run_id, mp.key == key, mp.step.in_(steps[start : start + 500]))
-        out += _points(db_session.execute(select(mp.step, mp.value, mp.time).where(*at)))
-    return out
+        arrays = ", ".join(f"CAST(:{name}_{column} AS {kind}[])" for column, kind in columns.items())
+        return (
+            f"unnest({arrays}) AS {name}({', '.join(columns)})",
+            {f"{name}_{column}": [row[i] for row in rows] for i, column in enumerate(columns)},
+        )
+    cells = ", ".join(f"json_extract(value, '$[{i}]') AS {column}" for i, column in enumerate(columns))
+    return f"(SELECT {cells} FROM json_each(:{name})) AS {name}", {name: json.dumps(list(rows))}
+
+
+def _points_join(db_session: Session, condition: str, first_only: bool = True) -> str:
+    """A join clause that adds `p`: the points of `metric_points q` meeting `condition` (with
+    `first_only`, the first in step order), found through the (run, key, step) index for each
+    outer row: a LATERAL subquery on PostgreSQL, whose planner would rather hash the whole
+    table than seek a few thousand times; a plain join on SQLite, which has no LATERAL and
+    seeks anyway."""
+    if db_session.get_bind().dialect.name == "postgresql":
+        limit = " ORDER BY q.step LIMIT 1" if first_only else ""
+        return f"CROSS JOIN LATERAL (SELECT q.step, q.value, q.time FROM metric_points q WHERE {condition}{limit}) p"
+    if first_only:
+        return f"JOIN metric_points p ON p.id = (SELECT q.id FROM metric_points q WHERE {condition} ORDER BY q.step LIMIT 1)"
+    return f"JOIN metric_points p ON {condition.replace('q.', 'p.')}"
+
+
+# Which points a downsampled series keeps first when the budget is tight (lower first).
+_LAST, _NONFINITE, _MAX, _MIN, _FIRST = range(5)
 
 
 def _downsample(
-    db_session: Session, run_id: int, key: str, max_points: int, last: MetricSummary
-) -> list[dict[str, Any]]:
-    mp = MetricPoint
-    where = (mp.run_id == run_id, mp.key == key)
-    # one index seek; SQLite would scan the whole series for min() and max() together
-    lo = db_session.execute(select(mp.step).where(*where).order_by(mp.step).limit(1)).scalar_one()
-    span = last.latest_step - lo + 1
-    width = -(-span // max(1, (max_points - 1) // 4))  # up to 4 points a bucket, plus the last
-    params = {"run_id": run_id, "key": key, "lo": lo, "width": width, "buckets": -(-span // width),
-              "block_steps": BLOCK_STEPS}
-    keep: dict[int, tuple[int, dict[str, Any]]] = {}
+    db_session: Session, ranges: Mapping[Series, tuple[int, int]], max_points: int
+) -> dict[Series, list[dict[str, Any]]]:
+    """Downsample every series in `ranges` ({series: (first step, last step)}) at once. Buckets
+    are runs of `width` steps from a series' first step, at most (max_points - 1) // 4 of them."""
+    n = max(1, (max_points - 1) // 4)
+    widths = {s: -(-(last - lo + 1) // n) for s, (lo, last) in ranges.items()}
+    keep: dict[Series, dict[int, tuple[int, dict[str, Any]]]] = {s: {} for s in ranges}
 
-    def offer(priority: int, point: dict[str, Any]) -> None:
-        held = keep.get(point["step"])
+    def offer(s: Series, priority: int, point: dict[str, Any]) -> None:
+        held = keep[s].get(point["step"])
         if held is None or priority < held[0]:
-            keep[point["step"]] = (priority, point)
+            keep[s][point["step"]] = (priority, point)
 
-    firsts = _FIRSTS_POSTGRESQL if db_session.get_bind().dialect.name == "postgresql" else _FIRSTS_SQLITE
-    for p in _points(db_session.execute(firsts, params)):
-        offer(_FIRST, p)
-    offer(_LAST, {"step": last.latest_step, "value": last.latest, "time": last.latest_time})
+    # the first point at or after each bucket's start: one index seek per bucket, so the cost
+    # grows with max_points, not with the points stored
+    rows = [(*s, ranges[s][0], widths[s]) for s in ranges]
+    series, params = _rows_param(
+        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
+    )
+    first_in_bucket = _points_join(
+        db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
+    )
+    for run_id, key, *point in db_session.execute(
+        text(f"""
+        WITH RECURSIVE buckets(i) AS (
+            SELECT CAST(0 AS BIGINT) UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < CAST(:n AS BIGINT)
+        )
+        SELECT s.run_id, s.key, p.step, p.value, p.time FROM {series} CROSS JOIN buckets b {first_in_bucket}
+        """),
+        {"n": n, **params},
+    ).all():
+        offer((run_id, key), _FIRST, {"step": point[0], "value": point[1], "time": point[2]})
 
-    wanted = _bucket_extremes(db_session, params)
-    for p in _points_at(db_session, run_id, key, sorted(wanted)):
-        offer(wanted[p["step"]], p)
-    chosen = sorted(keep.values(), key=lambda held: (held[0], held[1]["step"]))[:max_points]
-    return sorted((p for _, p in chosen), key=lambda p: p["step"])
+    wanted = _bucket_extremes(db_session, rows)
+    wanted.update({(s, last): _LAST for s, (_, last) in ranges.items()})
+    wanted_rows, params = _rows_param(
+        db_session, "w", {"run_id": "integer", "key": "varchar", "step": "bigint"}, [(*s, step) for s, step in wanted]
+    )
+    at_step = _points_join(db_session, "q.run_id = w.run_id AND q.key = w.key AND q.step = w.step")
+    for run_id, key, *point in db_session.execute(
+        text(f"SELECT w.run_id, w.key, p.step, p.value, p.time FROM {wanted_rows} {at_step}"), params
+    ).all():
+        s = (run_id, key)
+        offer(s, wanted[(s, point[0])], {"step": point[0], "value": point[1], "time": point[2]})
+    out = {}
+    for s, held in keep.items():
+        chosen = sorted(held.values(), key=lambda h: (h[0], h[1]["step"]))[:max_points]
+        out[s] = sorted((p for _, p in chosen), key=lambda p: p["step"])
+    return out
+
+
+def _bucket_extremes(db_session: Session, rows: list[tuple[int, str, int, int]]) -> dict[tuple[Series, int], int]:
+    """{(series, step): priority} for the steps each bucket keeps for its values: the step of its
+    lowest min and of its highest max (the earliest on ties) and its first non-finite step,
+    folded from the per-block extremes inside the database in one grouped pass (a million-point
+    series has 15,625 blocks; one row per bucket comes back). `rows` are (run_id, key, first
+    step, bucket width); a block counts in the bucket of its first step."""
+    series, params = _rows_param(
+        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
+    )
+    params["block_steps"] = BLOCK_STEPS
+    blocks = f"FROM {series} JOIN metric_blocks mb ON mb.run_id = s.run_id AND mb.key = s.key"
+    group = ("GROUP BY s.run_id, s.key, CASE WHEN mb.block * :block_steps <= s.lo THEN 0 "
+             "ELSE (mb.block * CAST(:block_steps AS BIGINT) - s.lo) / s.width END")
+    wanted: dict[tuple[Series, int], int] = {}
+
+    def want(s: Series, step: Any, priority: int) -> None:
+        if step is not None and priority < wanted.get((s, int(step)), _FIRST + 1):
+            wanted[(s, int(step))] = priority
+
+    if db_session.get_bind().dialect.name == "postgresql":
+        # (value, step) pairs compare as arrays: min() is the lowest value at its earliest step,
+        # max() of (value, -step) the highest at its earliest step
+        for run_id, key, low, high, nonfinite in db_session.execute(text(
+            "SELECT s.run_id, s.key, "
+            "min(CASE WHEN mb.min_value IS NOT NULL THEN ARRAY[mb.min_value, CAST(mb.min_step AS FLOAT8)] END), "
+            "max(CASE WHEN mb.max_value IS NOT NULL THEN ARRAY[mb.max_value, -CAST(mb.max_step AS FLOAT8)] END), "
+            f"min(mb.nonfinite_step) {blocks} {group}"
+        ), params):
+            want((run_id, key), low[1] if low else None, _MIN)
+            want((run_id, key), -high[1] if high else None, _MAX)
+            want((run_id, key), nonfinite, _NONFINITE)
+        return wanted
+    # SQLite: a bare column beside a single min() or max() comes from the row holding it, so one
+    # grouped pass per extreme
+    for select_, only, priority in (
+        ("min(mb.min_value), mb.min_step", "mb.min_value IS NOT NULL", _MIN),
+        ("max(mb.max_value), mb.max_step", "mb.max_value IS NOT NULL", _MAX),
+        ("0, min(mb.nonfinite_step)", "mb.nonfinite_step IS NOT NULL", _NONFINITE),
+    ):
+        for run_id, key, _, step in db_session.execute(
+            text(f"SELECT s.run_id, s.key, {select_} {blocks} WHERE {only} {group}"), params
+        ):
+            want((run_id, key), step, priority)
+    return wanted
 
 
 def max_point_id(*, db_session: Session) -> int:

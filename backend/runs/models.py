@@ -34,6 +34,10 @@ class Experiment(Base):
     description: Mapped[str] = mapped_column(Text, default="")
     tags: Mapped[list[Any]] = mapped_column(JSON, default=list)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    run_count: Mapped[int] = mapped_column(
+        Integer, default=0, server_default="0",
+        doc="Runs in the experiment, kept by database triggers (backend/runs/run_counts.py).",
+    )
 
 
 class Run(Base):
@@ -43,8 +47,7 @@ class Run(Base):
     __table_args__ = (
         UniqueConstraint("project_id", "idempotency_key"),
         Index("ix_runs_project_id_id", "project_id", "id"),
-        # covers the per-experiment run counts of GET /experiments without reading run rows
-        Index("ix_runs_project_id_experiment_id", "project_id", "experiment_id"),
+        Index("ix_runs_project_id_experiment_id", "project_id", "experiment_id"),  # ?experiment=
         Index("ix_runs_state_priority", "state", "priority"),
     )
 

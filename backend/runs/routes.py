@@ -87,8 +87,8 @@ def _csv(value: str | None) -> list[str]:
 def list_experiments(principal: Reader, db_session: ReadSessionDep) -> list[ExperimentOut]:
     """The project's experiments with their run counts."""
     return [
-        ExperimentOut.model_validate(exp).model_copy(update={"run_count": n})
-        for exp, n in service.list_experiments(db_session=db_session, project_id=principal.project_id)
+        ExperimentOut.model_validate(exp)
+        for exp in service.list_experiments(db_session=db_session, project_id=principal.project_id)
     ]
 
 

@@ -154,21 +154,13 @@ def get_or_create_experiment(*, db_session: Session, project_id: int, name: str)
     return exp
 
 
-def list_experiments(*, db_session: Session, project_id: int) -> list[tuple[Experiment, int]]:
-    """A project's experiments with their run counts, oldest first."""
-    counts = (
-        select(Run.experiment_id, func.count().label("n"))  # count(*): an index-only scan
-        .where(Run.project_id == project_id)
-        .group_by(Run.experiment_id)
-        .subquery()
+def list_experiments(*, db_session: Session, project_id: int) -> list[Experiment]:
+    """A project's experiments, oldest first, each with its stored `run_count`."""
+    return list(
+        db_session.scalars(
+            select(Experiment).where(Experiment.project_id == project_id).order_by(Experiment.id)
+        )
     )
-    rows = db_session.execute(
-        select(Experiment, func.coalesce(counts.c.n, 0))
-        .outerjoin(counts, counts.c.experiment_id == Experiment.id)
-        .where(Experiment.project_id == project_id)
-        .order_by(Experiment.id)
-    ).all()
-    return [(exp, int(n)) for exp, n in rows]
 
 
 # --- runs ----------------------------------------------------------------------------------------
@@ -697,16 +689,11 @@ def compare_runs(
     ):
         keys_by_run[run_id].append(key)
     keys = list(dict.fromkeys(keys))
-    out = []
-    for run_id in wanted:
-        have = [k for k in keys if k in keys_by_run[run_id]]
-        series = (
-            metric_service.series(db_session=db_session, run_id=run_id, keys=have, max_points=max_points)
-            if have
-            else {}
-        )
-        out.append(ComparedRun(found[run_id], keys_by_run[run_id], series))
-    return out
+    have = {run_id: [k for k in keys if k in keys_by_run[run_id]] for run_id in wanted}
+    series = metric_service.series_of_runs(  # every run's series in one go, not a round of queries per run
+        db_session=db_session, keys_by_run={run_id: ks for run_id, ks in have.items() if ks}, max_points=max_points
+    )
+    return [ComparedRun(found[run_id], keys_by_run[run_id], series.get(run_id, {})) for run_id in wanted]
 
 
 # --- events and checkpoints -----------------------------------------------------------------------

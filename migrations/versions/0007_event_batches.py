@@ -1,7 +1,7 @@
 """events batch ids: a retried events batch is a no-op, like a metric batch (0005)
 
 Revision ID: 0007
-Revises: 0006 (temporarily 0005, see down_revision)
+Revises: 0006
 Create Date: 2026-11-30 14:30:00
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 import backend.db
 
 revision: str = "0007"
-down_revision: str | None = "0005"  # TEMPORARY: "0006" once the branch adding 0006 is merged
+down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

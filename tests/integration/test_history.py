@@ -1,6 +1,6 @@
 """The run history at scale, on SQLite and PostgreSQL: metric sorts page through every run
 exactly once (ties and missing values included), text search is ranked, metric filters,
-the slim list and the compare endpoint."""
+the slim list, the compare endpoint and the experiments' stored run counts."""
 
 from __future__ import annotations
 
@@ -184,3 +184,48 @@ def test_search_index_follows_renames_tag_changes_and_deletes(live_api: LiveAPI)
         s.execute(delete(Run).where(Run.id == tagged["id"]))
         assert s.scalar(select(Run.id).where(Run.id == tagged["id"])) is None
     assert found("narwhal") == []
+
+
+def test_experiment_run_counts_stay_exact_through_replays_concurrent_creates_moves_and_deletes(
+    live_api: LiveAPI,
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqlalchemy import delete, update
+
+    from backend.runs.models import Run
+
+    def counts() -> dict[str, int]:
+        return {e["name"]: e["run_count"] for e in live_api.client.experiments()}
+
+    def stored() -> dict[str, int]:
+        runs = list(live_api.client.iter_runs())
+        return {name: sum(r["experiment"] == name for r in runs) for name in {r["experiment"] for r in runs}}
+
+    live_api.client.create_experiment("empty")
+    first = new_run(live_api, experiment="alpha", idempotency_key="ci-1")
+    assert new_run(live_api, experiment="alpha", idempotency_key="ci-1")["id"] == first["id"]  # a replay
+    assert counts() == {"empty": 0, "alpha": 1}
+
+    # at once: new runs in a new experiment, replays of one key, runs in an existing experiment
+    def create(i: int) -> int:
+        client = live_api.client.__class__(live_api.url, live_api.token)
+        try:
+            key = "ci-2" if i % 3 == 0 else None
+            return int(client.create_run(experiment="alpha" if i % 3 == 2 else "beta", config=CONFIG,
+                                         idempotency_key=key)["id"])
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(create, range(24)))
+    assert len({ids[i] for i in range(0, 24, 3)}) == 1  # every replay got the one run
+    assert counts() == stored() | {"empty": 0} == {"empty": 0, "alpha": 1 + 8, "beta": 1 + 8}
+
+    # runs moved or deleted behind the service's back (by hand, in SQL) are counted too
+    beta = next(e for e in live_api.client.experiments() if e["name"] == "beta")
+    with live_api.database.session() as s:
+        s.execute(update(Run).where(Run.id == first["id"]).values(experiment_id=beta["id"]))
+        s.execute(delete(Run).where(Run.id == ids[1]))
+    assert counts() == stored() | {"empty": 0} == {"empty": 0, "alpha": 8, "beta": 9}
+    assert live_api.client.request("GET", f"/experiments/{beta['id']}")["run_count"] == 9

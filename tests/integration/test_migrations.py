@@ -108,33 +108,70 @@ def test_0003_indexes_the_runs_already_stored(kind: str, tmp_path: Path, request
     """Upgrading a database with history fills the search and metric sort indexes from it."""
     from sqlalchemy import select
 
-    from backend.auth.models import Project
-    from backend.metrics.models import MetricSummary
     from backend.runs import search
-    from backend.runs.models import Experiment, Run, RunTag
 
     url = f"sqlite:///{tmp_path / 'old.db'}" if kind == "sqlite" else request.getfixturevalue("empty_postgres")
     upgrade(url, "0002")
     db = Database(url)
     try:
-        with db.session() as s:
-            project = Project(name="old")
-            s.add(project)
-            s.flush()
-            exp = Experiment(project_id=project.id, name="gsm8k-grpo", description="", tags=[])
-            s.add(exp)
-            s.flush()
-            run = Run(project_id=project.id, experiment_id=exp.id, name="lr-sweep-1", description="older run",
-                      config={}, tag_rows=[RunTag(tag="nightly")])
-            s.add(run)
-            s.flush()
-            s.add(MetricSummary(run_id=run.id, key="reward/mean", latest=0.4, latest_step=3, latest_time=0.0,
-                                min=0.1, max=0.4, count=3))
+        # rows as 0002's schema stores them (the models of today have columns it lacks)
+        with db.engine.begin() as conn:
+            conn.execute(text("INSERT INTO projects (id, name, description, created_at) VALUES (1, 'old', '', '2026-01-01')"))
+            conn.execute(text("INSERT INTO experiments (id, project_id, name, description, tags, created_at) "
+                              "VALUES (1, 1, 'gsm8k-grpo', '', '[]', '2026-01-01')"))
+            conn.execute(text(
+                "INSERT INTO runs (id, project_id, experiment_id, name, description, config, seed, state, attempt, "
+                "max_attempts, priority, launched_by, launched_by_name, created_at, updated_at) VALUES "
+                "(1, 1, 1, 'lr-sweep-1', 'older run', '{}', 0, 'queued', 1, 1, 0, 'user', '', '2026-01-01', '2026-01-01')"))
+            conn.execute(text("INSERT INTO run_tags (run_id, tag) VALUES (1, 'nightly')"))
+            conn.execute(text("INSERT INTO metric_summaries (run_id, key, latest, latest_step, latest_time, min, max, count) "
+                              "VALUES (1, 'reward/mean', 0.4, 3, 0.0, 0.1, 0.4, 3)"))
         upgrade(url)
         with db.engine.connect() as conn:
             hits = search.matches(db.dialect, "nightly gsm8k").subquery()
-            assert conn.execute(select(hits.c.run_id)).scalars().all() == [run.id]
+            assert conn.execute(select(hits.c.run_id)).scalars().all() == [1]
             values = conn.execute(text("SELECT run_id, key, project_id, value FROM run_metric_values")).all()
-            assert [tuple(v) for v in values] == [(run.id, "reward/mean", project.id, 0.4)]
+            assert [tuple(v) for v in values] == [(1, "reward/mean", 1, 0.4)]
+    finally:
+        db.dispose()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_0006_counts_the_runs_already_stored_and_keeps_counting(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    from sqlalchemy import delete, select
+
+    from backend.auth.models import Project
+    from backend.runs.models import Experiment, Run
+
+    url = f"sqlite:///{tmp_path / 'old.db'}" if kind == "sqlite" else request.getfixturevalue("empty_postgres")
+    upgrade(url, "0005")
+    db = Database(url)
+    try:
+        with db.engine.begin() as conn:  # rows as 0005's schema stores them (no run_count yet)
+            conn.execute(text("INSERT INTO projects (id, name, description, created_at) VALUES (1, 'p', '', '2026-01-01')"))
+            for exp_id in (1, 2, 3):
+                conn.execute(text("INSERT INTO experiments (id, project_id, name, description, tags, created_at) "
+                                  "VALUES (:id, 1, :name, '', '[]', '2026-01-01')"), {"id": exp_id, "name": f"e{exp_id}"})
+            conn.execute(text(
+                "INSERT INTO runs (id, project_id, experiment_id, name, description, config, seed, state, attempt, "
+                "max_attempts, priority, launched_by, launched_by_name, created_at, updated_at) "
+                "VALUES (:id, 1, :exp, 'r', '', '{}', 0, 'queued', 1, 1, 0, 'user', '', '2026-01-01', '2026-01-01')"),
+                [{"id": i, "exp": 1 if i <= 3 else 2} for i in range(1, 6)])
+        upgrade(url)
+
+        def counts() -> dict[str, int]:
+            with db.read_session() as s:
+                return dict(s.execute(select(Experiment.name, Experiment.run_count)).all())  # type: ignore[arg-type]
+
+        assert counts() == {"e1": 3, "e2": 2, "e3": 0}
+        with db.session() as s:  # the triggers follow whatever writes runs after the upgrade
+            s.add(Run(id=10, project_id=1, experiment_id=3, name="new", description="", config={}))
+            s.execute(delete(Run).where(Run.id == 1))
+        assert counts() == {"e1": 2, "e2": 2, "e3": 1}
+        with db.session() as s:  # a project's removal takes its experiments and runs at once
+            s.execute(delete(Project).where(Project.id == 1))
+        assert counts() == {}
     finally:
         db.dispose()
