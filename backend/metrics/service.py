@@ -448,16 +448,9 @@ def _downsample(
 def _bucket_extremes(db_session: Session, rows: list[tuple[int, str, int, int]]) -> dict[tuple[Series, int], int]:
     """{(series, step): priority} for the steps each bucket keeps for its values: the step of its
     lowest min and of its highest max (the earliest on ties) and its first non-finite step,
-    folded from the per-block extremes inside the database in one grouped pass (a million-point
+    folded from the per-block extremes by grouped passes inside the database (a million-point
     series has 15,625 blocks; one row per bucket comes back). `rows` are (run_id, key, first
     step, bucket width); a block counts in the bucket of its first step."""
-    series, params = _rows_param(
-        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
-    )
-    params["block_steps"] = BLOCK_STEPS
-    blocks = f"FROM {series} JOIN metric_blocks mb ON mb.run_id = s.run_id AND mb.key = s.key"
-    group = ("GROUP BY s.run_id, s.key, CASE WHEN mb.block * :block_steps <= s.lo THEN 0 "
-             "ELSE (mb.block * CAST(:block_steps AS BIGINT) - s.lo) / s.width END")
     wanted: dict[tuple[Series, int], int] = {}
 
     def want(s: Series, step: Any, priority: int) -> None:
@@ -465,8 +458,15 @@ def _bucket_extremes(db_session: Session, rows: list[tuple[int, str, int, int]])
             wanted[(s, int(step))] = priority
 
     if db_session.get_bind().dialect.name == "postgresql":
-        # (value, step) pairs compare as arrays: min() is the lowest value at its earliest step,
-        # max() of (value, -step) the highest at its earliest step
+        series, params = _rows_param(
+            db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
+        )
+        params["block_steps"] = BLOCK_STEPS
+        blocks = f"FROM {series} JOIN metric_blocks mb ON mb.run_id = s.run_id AND mb.key = s.key"
+        group = ("GROUP BY s.run_id, s.key, CASE WHEN mb.block * :block_steps <= s.lo THEN 0 "
+                 "ELSE (mb.block * CAST(:block_steps AS BIGINT) - s.lo) / s.width END")
+        # one pass for every series; (value, step) pairs compare as arrays: min() is the lowest
+        # value at its earliest step, max() of (value, -step) the highest at its earliest step
         for run_id, key, low, high, nonfinite in db_session.execute(text(
             "SELECT s.run_id, s.key, "
             "min(CASE WHEN mb.min_value IS NOT NULL THEN ARRAY[mb.min_value, CAST(mb.min_step AS FLOAT8)] END), "
@@ -478,16 +478,22 @@ def _bucket_extremes(db_session: Session, rows: list[tuple[int, str, int, int]])
             want((run_id, key), nonfinite, _NONFINITE)
         return wanted
     # SQLite: a bare column beside a single min() or max() comes from the row holding it, so one
-    # grouped pass per extreme
-    for select_, only, priority in (
-        ("min(mb.min_value), mb.min_step", "mb.min_value IS NOT NULL", _MIN),
-        ("max(mb.max_value), mb.max_step", "mb.max_value IS NOT NULL", _MAX),
-        ("0, min(mb.nonfinite_step)", "mb.nonfinite_step IS NOT NULL", _NONFINITE),
-    ):
-        for run_id, key, _, step in db_session.execute(
-            text(f"SELECT s.run_id, s.key, {select_} {blocks} WHERE {only} {group}"), params
+    # grouped pass per extreme; and one series at a time, with its bounds as constants (a join
+    # to the series rows makes each pass several times slower, and SQLite's queries are cheap)
+    of_series = "FROM metric_blocks WHERE run_id = :run_id AND key = :key"
+    bucket = ("CASE WHEN block * :block_steps <= :lo THEN 0 "
+              "ELSE (block * CAST(:block_steps AS BIGINT) - :lo) / CAST(:width AS BIGINT) END")
+    for run_id, key, lo, width in rows:
+        bounds = {"run_id": run_id, "key": key, "lo": lo, "width": width, "block_steps": BLOCK_STEPS}
+        for select_, only, priority in (
+            ("min(min_value), min_step", "min_value IS NOT NULL", _MIN),
+            ("max(max_value), max_step", "max_value IS NOT NULL", _MAX),
+            ("0, min(nonfinite_step)", "nonfinite_step IS NOT NULL", _NONFINITE),
         ):
-            want((run_id, key), step, priority)
+            for _, step in db_session.execute(
+                text(f"SELECT {select_} {of_series} AND {only} GROUP BY {bucket}"), bounds
+            ):
+                want((run_id, key), step, priority)
     return wanted
 
 
