@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from backend.runs.service import RunStateChange, add_state_hook
+from backend.runs.hooks import RunStateChange, add_state_hook
 from backend.runs.state import RunState
 
 log = logging.getLogger(__name__)

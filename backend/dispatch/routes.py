@@ -17,7 +17,7 @@ from backend.deps import DatabaseDep, DetachedReadableRun, Reader, ReadSessionDe
 from backend.dispatch import service
 from backend.dispatch.models import RunLog
 from backend.dispatch.ray_cluster import RayCluster, RayUnavailable
-from backend.runs import service as run_service
+from backend.runs import lifecycle
 from backend.runs.models import Run, RunAttempt
 from backend.runs.state import TERMINAL, RunState
 from backend.settings import Settings
@@ -185,7 +185,7 @@ def cluster(principal: Reader, db_session: ReadSessionDep, settings: SettingsDep
     finally:
         if ray is not None:
             ray.close()
-    queued = run_service.queued_runs(db_session=db_session, limit=10_000)
+    queued = lifecycle.queued_runs(db_session=db_session, limit=10_000)
     view["queued"] = sum(1 for r in queued if r.project_id == principal.project_id)
     return project_view(view, project_id=principal.project_id)
 

@@ -38,7 +38,7 @@ from starlette.requests import Request
 
 from backend.db import Database
 from backend.metrics.models import MetricPoint
-from backend.runs import service
+from backend.runs import lifecycle
 from backend.runs.models import Run, RunEvent
 from backend.runs.schemas import EventOut
 from backend.runs.state import is_over as state_is_over
@@ -149,7 +149,7 @@ class RunStream:
         out: list[ServerSentEvent] = []
         with self.db.read_session() as s:
             # the state first: whatever committed before it is visible to the reads below
-            run = service.get_any(db_session=s, run_id=self.run_id)
+            run = lifecycle.get_any(db_session=s, run_id=self.run_id)
             if run is None:
                 self.over = True
                 return [_sse("state", {"run_id": self.run_id, "state": None, "deleted": True}, self.event_id())]

@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from backend.metrics.models import MetricBlock, MetricPoint
 from backend.metrics.schemas import MetricPointIn
 from backend.metrics.service import ingest
-from backend.runs import service as runs
+from backend.runs import lifecycle
 from backend.runs.state import RunState
 from tests.conftest import DATABASES, LiveAPI
 
@@ -56,7 +56,7 @@ def test_retried_batches_and_a_resume_leave_one_point_per_key_and_step(live_api:
 
     # attempt 1 fails; attempt 2 resumes from the checkpoint at step 25 and repeats steps 25..29
     with live_api.database.session() as s:
-        runs.transition(db_session=s, run_id=run["id"], to_state=RunState.failed, reason="node lost")
+        lifecycle.transition(db_session=s, run_id=run["id"], to_state=RunState.failed, reason="node lost")
     with live_api.run_client(run["id"]) as second:
         second.post_metrics(run["id"], _points(range(25, 40), keys, offset=1000.0), batch_id="a2-000000000001")
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from backend.metrics.models import MetricPoint
-from backend.runs import service as run_service
+from backend.runs import events, lifecycle
 from backend.runs.models import Run
 from backend.runs.schemas import EventIn
 from backend.runs.stream import RowTail
@@ -52,7 +52,7 @@ class Listener:
 def finish(api: LiveAPI, run_id: int, *states: str) -> None:
     with api.database.session() as s:
         for state in states:
-            run_service.transition(db_session=s, run_id=run_id, to_state=state, reason="test")
+            lifecycle.transition(db_session=s, run_id=run_id, to_state=state, reason="test")
         s.commit()
 
 
@@ -83,7 +83,7 @@ def test_every_event_has_an_id_history_comes_first_and_resume_continues(live_api
 
     live_api.seed_metrics(run["id"], points(8, 12))
     with live_api.database.session() as s:  # what the trainer's token would post
-        run_service.add_events(db_session=s, run=s.get(Run, run["id"]),
+        events.add_events(db_session=s, run=s.get(Run, run["id"]),
                                events=[EventIn(kind="warning", message="after the break")])
     second = Listener(live_api, run["id"], last_event_id=resume_at)
     finish(live_api, run["id"], "succeeded")
@@ -109,7 +109,7 @@ def test_stream_follows_a_run_across_its_retry(live_api: LiveAPI) -> None:
     time.sleep(1.0)
     assert listener.thread.is_alive(), "a failed attempt with attempts left is not the end"
     with live_api.database.session() as s:
-        run_service.retry(db_session=s, run_id=run["id"], reason="retry")
+        lifecycle.retry(db_session=s, run_id=run["id"], reason="retry")
         s.commit()
     live_api.seed_metrics(run["id"], points(0, 3, key="attempt2/loss"))
     finish(live_api, run["id"], "starting", "running", "succeeded")
@@ -189,7 +189,7 @@ def test_logs_tail_with_follow_on_a_finished_attempt_sends_the_tail_and_ends(liv
     with live_api.database.session() as s:
         s.add(RunLog(run_id=run["id"], attempt=1, text="".join(f"step {i}\n" for i in range(50)),
                      updated_at=utcnow()))
-        run_service.transition(db_session=s, run_id=run["id"], to_state="failed", reason="test")
+        lifecycle.transition(db_session=s, run_id=run["id"], to_state="failed", reason="test")
         s.commit()
     with httpx.Client(base_url=live_api.url + "/api/v1", timeout=10,
                       headers={"Authorization": f"Bearer {live_api.token}"}) as c:
