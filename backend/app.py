@@ -24,8 +24,10 @@ from backend.dispatch import routes as dispatch_routes
 from backend.metrics.routes import router as metrics_router
 from backend.metrics.schemas import MetricBatch
 from backend.problems import COMMON_RESPONSES
+from backend.runs.creation import IdempotencyConflict
+from backend.runs.lifecycle import RunNotFound
+from backend.runs.listing import InvalidQuery
 from backend.runs.routes import router as runs_router
-from backend.runs.service import IdempotencyConflict, InvalidQuery, RunNotFound
 from backend.runs.state import IllegalTransition
 from backend.settings import Settings, get_settings
 from trainer.config import ConfigError

@@ -259,8 +259,11 @@ class YattClient:
         """`[{"key","latest","latest_step","min","max","count"}]`."""
         return self.request("GET", f"/runs/{run_id}/metric-keys")  # type: ignore[no-any-return]
 
-    def post_events(self, run_id: int, events: Sequence[dict[str, Any]]) -> int:
-        return int(self.request("POST", f"/runs/{run_id}/events", json={"events": list(events)})["accepted"])
+    def post_events(self, run_id: int, events: Sequence[dict[str, Any]], *, batch_id: str | None = None) -> int:
+        body: dict[str, Any] = {"events": list(events)}
+        if batch_id is not None:
+            body["batch_id"] = batch_id
+        return int(self.request("POST", f"/runs/{run_id}/events", json=body)["accepted"])
 
     def events(self, run_id: int, *, kind: str | None = None, after_id: int = 0) -> list[dict[str, Any]]:
         params: dict[str, Any] = {"after_id": after_id}

@@ -14,7 +14,7 @@ from backend.auth.models import Role
 from backend.auth.service import Principal
 from backend.db import Database
 from backend.fields import RunIdPath
-from backend.runs import service as run_service
+from backend.runs import lifecycle
 from backend.runs.models import Run
 from backend.runs.state import ACTIVE, RunState
 from backend.settings import Settings
@@ -100,7 +100,7 @@ def readable_run(run_id: RunIdPath, principal: CurrentPrincipal, db_session: Rea
     """A run the caller may read: any run of its project for read+ tokens, its own for run tokens."""
     if principal.role is Role.run and principal.run_id != run_id:
         raise not_found(run_id)
-    run = run_service.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
+    run = lifecycle.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
     if run is None:
         raise not_found(run_id)
     return run
@@ -130,7 +130,7 @@ def telemetry_run(*, run_id: int, principal: Principal, db_session: Session) -> 
         )
     if principal.run_id != run_id:
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"this run token cannot write run {run_id}")
-    run = run_service.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
+    run = lifecycle.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
     if run is None:
         raise not_found(run_id)
     if run.attempt != principal.attempt or RunState(run.state) not in ACTIVE:
@@ -146,7 +146,7 @@ def state_writer(run_id: RunIdPath, principal: CurrentPrincipal, db_session: Ses
     """A run whose state the caller may report: an admin token (a remote dispatcher), or the
     run's token while its attempt is active."""
     if principal.role is Role.admin:
-        run = run_service.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
+        run = lifecycle.get(db_session=db_session, project_id=principal.project_id, run_id=run_id)
         if run is None:
             raise not_found(run_id)
         return run

@@ -5,13 +5,22 @@ from backend.db import Base
 from backend.dispatch.models import RunLog
 from backend.metrics.models import AppliedBatch, MetricBlock, MetricPoint, MetricSummary
 from backend.metrics.sort_index import RunMetricValue
-from backend.runs.models import Checkpoint, Experiment, Run, RunAttempt, RunEvent, RunTag
+from backend.runs.models import (
+    AppliedEventBatch,
+    Checkpoint,
+    Experiment,
+    Run,
+    RunAttempt,
+    RunEvent,
+    RunTag,
+)
 
 metadata = Base.metadata
 
 __all__ = [
     "ApiToken",
     "AppliedBatch",
+    "AppliedEventBatch",
     "Base",
     "Checkpoint",
     "Experiment",

@@ -41,7 +41,7 @@ from sqlalchemy import func, select  # noqa: E402
 from backend.db import Database  # noqa: E402
 from backend.migrate import upgrade  # noqa: E402
 from backend.runs import search  # noqa: E402
-from backend.runs.service import _encode_cursor  # noqa: E402
+from backend.runs.listing import _encode_cursor  # noqa: E402
 from bench.history_seed import Seeded, seed_history  # noqa: E402
 
 TARGET_MS = 100.0

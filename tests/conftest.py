@@ -122,18 +122,18 @@ class LiveAPI:
     def start_attempt(self, run_id: int) -> str:
         """Move a run to `running` as the dispatcher would (retrying it first if it failed) and
         return a run token for its current attempt, as the trainer gets it."""
-        from backend.runs import service as runs
+        from backend.runs import lifecycle
         from backend.runs.state import RunState
 
         with self.database.session() as s:
-            run = runs.get_any(db_session=s, run_id=run_id)
+            run = lifecycle.get_any(db_session=s, run_id=run_id)
             assert run is not None
             if run.state == RunState.failed:
-                runs.retry(db_session=s, run_id=run_id)
+                lifecycle.retry(db_session=s, run_id=run_id)
             if run.state == RunState.queued:
-                runs.transition(db_session=s, run_id=run_id, to_state=RunState.starting)
+                lifecycle.transition(db_session=s, run_id=run_id, to_state=RunState.starting)
             if run.state == RunState.starting:
-                runs.transition(db_session=s, run_id=run_id, to_state=RunState.running)
+                lifecycle.transition(db_session=s, run_id=run_id, to_state=RunState.running)
             return auth_service.create_run_token(
                 db_session=s, project_id=run.project_id, run_id=run_id, attempt=run.attempt, ttl_s=600
             )

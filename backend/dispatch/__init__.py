@@ -6,7 +6,7 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 
-from backend.runs.service import RunStateChange, add_state_hook
+from backend.runs.hooks import RunStateChange, add_state_hook
 from backend.runs.state import RunState
 
 log = logging.getLogger(__name__)

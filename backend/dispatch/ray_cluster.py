@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import websockets
+from websockets.exceptions import InvalidStatus, WebSocketException
 
 from backend.settings import Settings, get_settings
 
@@ -95,8 +98,10 @@ class RayCluster:
     def __init__(self, address: str, *, timeout_s: float = 10.0):
         self.address = address.rstrip("/")
         headers = {}
-        if token := ray_auth_token():
-            headers["Authorization"] = f"Bearer {token}"
+        self._token = ray_auth_token()
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        self._timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.address, headers=headers, timeout=timeout_s)
 
     @classmethod
@@ -197,6 +202,25 @@ class RayCluster:
         if resp.status_code != 200:
             raise RayUnavailable(f"Ray job logs: {resp.status_code} {resp.text[:300]}")
         return str(resp.json().get("logs", ""))
+
+    async def tail_logs(self, submission_id: str) -> AsyncIterator[str]:
+        """The job driver's log over one WebSocket (what `JobSubmissionClient.tail_job_logs`
+        reads): the whole log so far, then each piece as it is appended; ends when the job
+        ends. Raises JobNotFound, or RayUnavailable when the connection fails or breaks."""
+        url = "ws" + self.address.removeprefix("http") + f"/api/jobs/{submission_id}/logs/tail"
+        try:
+            async with websockets.connect(
+                url, additional_headers={"Authorization": f"Bearer {self._token}"} if self._token else None,
+                open_timeout=self._timeout_s, max_size=None,
+            ) as ws:
+                async for message in ws:
+                    yield message if isinstance(message, str) else message.decode("utf-8", "replace")
+        except InvalidStatus as exc:
+            if exc.response.status_code == 404:
+                raise JobNotFound(submission_id) from exc
+            raise RayUnavailable(f"Ray job log tail: {exc.response.status_code}") from exc
+        except (OSError, TimeoutError, WebSocketException) as exc:
+            raise RayUnavailable(f"Ray job log tail at {self.address} broke: {exc}") from exc
 
     # --- nodes -----------------------------------------------------------------------------
 

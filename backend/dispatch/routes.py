@@ -17,7 +17,7 @@ from backend.deps import DatabaseDep, DetachedReadableRun, Reader, ReadSessionDe
 from backend.dispatch import service
 from backend.dispatch.models import RunLog
 from backend.dispatch.ray_cluster import RayCluster, RayUnavailable
-from backend.runs import service as run_service
+from backend.runs import lifecycle
 from backend.runs.models import Run, RunAttempt
 from backend.runs.state import TERMINAL, RunState
 from backend.settings import Settings
@@ -34,11 +34,13 @@ def _cluster_or_none(settings: Settings) -> RayCluster | None:
 
 @dataclass
 class LogSnapshot:
-    """One read of an attempt's log: its text so far, whether Ray still runs it, the run's state."""
+    """One read of an attempt's log: its text so far, whether Ray still runs it, the run's state,
+    and the Ray job's submission id while it runs."""
 
     text: str
     live: bool
     state: str
+    submission_id: str | None = None
 
 
 def read_log(db: Database, settings: Settings, run_id: int, attempt: int) -> LogSnapshot:
@@ -60,7 +62,7 @@ def read_log(db: Database, settings: Settings, run_id: int, attempt: int) -> Log
             try:
                 job = cluster.job(sid)
                 if job is not None:
-                    return LogSnapshot(cluster.logs(sid), not job.terminal, state)
+                    return LogSnapshot(cluster.logs(sid), not job.terminal, state, sid)
             except (LookupError, RayUnavailable):
                 pass
             finally:
@@ -75,17 +77,39 @@ def tail_lines(text: str, n: int | None) -> str:
     return "".join(text.splitlines(keepends=True)[-n:])
 
 
+LiveTail = Callable[[str], AsyncIterator[str]]  # a Ray job's whole log, then what is appended
+
+
 async def follow_log(
     read: Callable[[], Awaitable[LogSnapshot]], *, first: LogSnapshot, tail: int | None,
-    poll_s: float = 1.0, max_poll_s: float = 5.0,
+    live_tail: LiveTail | None = None, poll_s: float = 1.0, max_poll_s: float = 5.0,
 ) -> AsyncIterator[str]:
     """The log (its last `tail` lines first, when given), then only what is appended, until
-    the attempt has ended; polls back off to `max_poll_s` while nothing new comes."""
+    the attempt has ended. While Ray runs the job, one `live_tail` connection carries what is
+    appended (the log is not fetched again on every poll); before the job starts, after it
+    ends, or when the connection fails, the log is re-read by polls that back off to
+    `max_poll_s` while nothing new comes."""
     yield tail_lines(first.text, tail)
     sent = len(first.text)
     snap, wait = first, poll_s
     while snap.live or RunState(snap.state) not in TERMINAL:
-        await asyncio.sleep(wait)
+        if snap.live and snap.submission_id and live_tail is not None:
+            streamed, carried = 0, False  # Ray's tail starts at the log's first character
+            try:
+                async for chunk in live_tail(snap.submission_id):
+                    if streamed + len(chunk) > sent:
+                        yield chunk[max(0, sent - streamed):]
+                        sent, carried = streamed + len(chunk), True
+                    streamed += len(chunk)
+            except (LookupError, RayUnavailable):
+                live_tail = None  # poll for the rest of this stream
+            if not carried:
+                # A tail that closes with nothing new while the job runs is broken (Ray 2.60's
+                # dashboard proxy drops the WebSocket here: "Unknown msg type: 258"): poll instead.
+                live_tail = None
+                await asyncio.sleep(wait)
+        else:
+            await asyncio.sleep(wait)
         snap = await read()
         if len(snap.text) > sent:
             yield snap.text[sent:]
@@ -93,6 +117,16 @@ async def follow_log(
         else:
             sent = min(sent, len(snap.text))  # a shorter copy: Ray's is gone, the stored one is read
             wait = min(max_poll_s, wait * 1.5)
+
+
+async def ray_live_tail(settings: Settings, submission_id: str) -> AsyncIterator[str]:
+    """`RayCluster.tail_logs` of the configured cluster (LookupError/RayUnavailable pass through)."""
+    cluster = RayCluster.from_settings(settings)
+    try:
+        async for chunk in cluster.tail_logs(submission_id):
+            yield chunk
+    finally:
+        cluster.close()
 
 
 @router.get(
@@ -134,7 +168,10 @@ async def run_logs(
     if not follow:
         text = first.text[offset:] if offset is not None and offset <= len(first.text) else first.text
         return PlainTextResponse(tail_lines(text, tail), headers={"Log-Length": str(len(first.text))})
-    return StreamingResponse(follow_log(read, first=first, tail=tail), media_type="text/plain")
+    return StreamingResponse(
+        follow_log(read, first=first, tail=tail, live_tail=lambda sid: ray_live_tail(settings, sid)),
+        media_type="text/plain",
+    )
 
 
 @router.get("/cluster", summary="Nodes, devices and the runs on them")
@@ -148,7 +185,7 @@ def cluster(principal: Reader, db_session: ReadSessionDep, settings: SettingsDep
     finally:
         if ray is not None:
             ray.close()
-    queued = run_service.queued_runs(db_session=db_session, limit=10_000)
+    queued = lifecycle.queued_runs(db_session=db_session, limit=10_000)
     view["queued"] = sum(1 for r in queued if r.project_id == principal.project_id)
     return project_view(view, project_id=principal.project_id)
 

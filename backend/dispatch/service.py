@@ -38,7 +38,7 @@ from backend.auth.service import create_run_token, has_live_run_token
 from backend.db import Database, utcnow
 from backend.dispatch.models import RunLog
 from backend.dispatch.ray_cluster import JobExists, JobInfo, RayCluster, RayUnavailable
-from backend.runs import service as runs
+from backend.runs import lifecycle
 from backend.runs.models import Run, RunAttempt, RunEvent
 from backend.runs.state import IllegalTransition, RunState
 from backend.settings import Settings
@@ -119,13 +119,13 @@ def schedule(*, db: Database, cluster: RayCluster, settings: Settings) -> list[i
     total, resource = cluster_devices(cluster)
     admitted: list[int] = []
     with _exclusive(db) as s:
-        active = runs.runs_in_states(
+        active = lifecycle.runs_in_states(
             db_session=s, states=[RunState.starting, RunState.running, RunState.cancelling]
         )
         used = sum(devices_needed(r.config) for r in active)
         per_project = Counter(r.project_id for r in active)
         blocked = False  # strict priority: once a run waits for devices, those after it wait too
-        for run in runs.queued_runs(db_session=s, limit=200):
+        for run in lifecycle.queued_runs(db_session=s, limit=200):
             need = devices_needed(run.config)
             if need > total:
                 _note_once(
@@ -150,7 +150,7 @@ def schedule(*, db: Database, cluster: RayCluster, settings: Settings) -> list[i
                 )
                 blocked = True
                 continue
-            runs.transition(
+            lifecycle.transition(
                 db_session=s, run_id=run.id, to_state=RunState.starting,
                 reason=f"admitted: {need} of {total - used} free devices ({resource})",
             )
@@ -211,7 +211,7 @@ def launch(*, run_id: int, db: Database, cluster: RayCluster, settings: Settings
     never in the job's environment, which anyone with access to Ray's Jobs API can read."""
     code_version, packages = _code_version(), _package_versions()  # a subprocess: outside any transaction
     with db.session() as s:
-        run = runs.get_any(db_session=s, run_id=run_id)
+        run = lifecycle.get_any(db_session=s, run_id=run_id)
         if run is None or run.state != RunState.starting:
             return None
         sid = submission_id(run.id, run.attempt)
@@ -223,10 +223,10 @@ def launch(*, run_id: int, db: Database, cluster: RayCluster, settings: Settings
                 db_session=s, project_id=run.project_id, run_id=run.id, attempt=run.attempt,
                 ttl_s=run_token_ttl_s(run=run, settings=settings),
             )
-        runs.record_environment(
+        lifecycle.record_environment(
             db_session=s, run=run, code_version=code_version, package_versions=packages, run_dir=str(run_dir),
         )
-        runs.set_attempt_submission(db_session=s, run_id=run.id, attempt=run.attempt, submission_id=sid)
+        lifecycle.set_attempt_submission(db_session=s, run_id=run.id, attempt=run.attempt, submission_id=sid)
         env = {
             "YATT_CONFIG_JSON": json.dumps(run.config),
             "YATT_RUN_ID": str(run.id),
@@ -267,7 +267,7 @@ class ReconcileReport:
 
 
 def _attempt_sid(s: Session, run: Run) -> str:
-    row = runs.current_attempt(db_session=s, run=run)
+    row = lifecycle.current_attempt(db_session=s, run=run)
     return (row.submission_id if row and row.submission_id else None) or submission_id(run.id, run.attempt)
 
 
@@ -294,7 +294,7 @@ def _age_s(since: datetime | None) -> float:
 
 def _move(s: Session, run: Run, to: RunState, reason: str, report: ReconcileReport) -> None:
     try:
-        runs.transition(db_session=s, run_id=run.id, to_state=to, reason=reason)
+        lifecycle.transition(db_session=s, run_id=run.id, to_state=to, reason=reason)
         report.moved[run.id] = to.value
     except IllegalTransition:  # the trainer or another pass moved it first
         pass
@@ -353,7 +353,7 @@ def _decide(seen: _Seen, job: JobInfo | None, settings: Settings) -> _Action:
 
 
 def _seen(s: Session, run: Run) -> _Seen:
-    attempt = runs.current_attempt(db_session=s, run=run)
+    attempt = lifecycle.current_attempt(db_session=s, run=run)
     return _Seen(run.id, RunState(run.state), run.attempt, _attempt_sid(s, run),
                  _age_s(attempt.created_at if attempt else run.updated_at), run.started_at, run.max_duration_s)
 
@@ -376,9 +376,9 @@ def reconcile(*, db: Database, cluster: RayCluster, settings: Settings) -> Recon
     was read (compare-and-set); a run that moved meanwhile is looked at again next pass."""
     report = ReconcileReport()
     with db.read_session() as s:
-        active = [_seen(s, r) for r in runs.runs_in_states(
+        active = [_seen(s, r) for r in lifecycle.runs_in_states(
             db_session=s, states=[RunState.starting, RunState.running, RunState.cancelling])]
-        retryable = [_seen(s, r) for r in runs.runs_in_states(db_session=s, states=[RunState.failed])
+        retryable = [_seen(s, r) for r in lifecycle.runs_in_states(db_session=s, states=[RunState.failed])
                      if r.attempt < r.max_attempts]
         missing_logs = _runs_missing_logs(s)
     relaunch: list[int] = []
@@ -411,7 +411,7 @@ def reconcile(*, db: Database, cluster: RayCluster, settings: Settings) -> Recon
                 s, run = held
                 if text_ is not None:
                     save_log(s=s, run_id=run.id, attempt=run.attempt, text_=text_)
-                runs.retry(db_session=s, run_id=run.id,
+                lifecycle.retry(db_session=s, run_id=run.id,
                            reason=f"attempt {run.attempt} failed; retrying from the newest checkpoint")
                 report.moved[run.id] = RunState.queued.value
     _store_missing_logs(db, cluster, missing_logs)
@@ -450,7 +450,7 @@ def _store_missing_logs(db: Database, cluster: RayCluster, rows: list[tuple[int,
 def stop(*, run_id: int, db: Database, cluster: RayCluster) -> None:
     """Ask Ray to stop a cancelling run's job; the reconciler marks it cancelled once stopped."""
     with db.read_session() as s:
-        run = runs.get_any(db_session=s, run_id=run_id)
+        run = lifecycle.get_any(db_session=s, run_id=run_id)
         if run is None or run.state != RunState.cancelling:
             return
         sid = _attempt_sid(s, run)
@@ -479,7 +479,7 @@ def attempt_log(*, s: Session, cluster: RayCluster | None, run: Run, attempt: in
 
 def cluster_view(*, s: Session, cluster: RayCluster | None) -> dict[str, Any]:
     """Nodes, devices (total / used / free) and the runs holding them."""
-    active = runs.runs_in_states(
+    active = lifecycle.runs_in_states(
         db_session=s, states=[RunState.starting, RunState.running, RunState.cancelling]
     )
     used = sum(devices_needed(r.config) for r in active)
@@ -499,7 +499,7 @@ def cluster_view(*, s: Session, cluster: RayCluster | None) -> dict[str, Any]:
             }
             for r in active
         ],
-        "queued": len(runs.queued_runs(db_session=s, limit=1000)),
+        "queued": len(lifecycle.queued_runs(db_session=s, limit=1000)),
     }
     if cluster is None:
         return view

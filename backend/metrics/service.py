@@ -157,10 +157,19 @@ def ingest(
 
 
 _COLUMNS = "run_id, key, step, value, time, attempt"
-_OVERWRITE = (
-    "ON CONFLICT (run_id, key, step) DO UPDATE SET value = excluded.value, time = excluded.time, "
-    "attempt = excluded.attempt WHERE excluded.attempt >= metric_points.attempt"
-)
+
+
+def _overwrite(new_id: str) -> str:
+    # An overwritten point takes a new id, so live streams (which read a run's points by id)
+    # send it again with its step and attempt, and the chart replaces the old value.
+    return (
+        f"ON CONFLICT (run_id, key, step) DO UPDATE SET id = {new_id}, value = excluded.value, "
+        "time = excluded.time, attempt = excluded.attempt WHERE excluded.attempt >= metric_points.attempt"
+    )
+
+
+_OVERWRITE_POSTGRESQL = _overwrite("DEFAULT")  # the next value of the id sequence
+_OVERWRITE_SQLITE = _overwrite("(SELECT max(id) FROM metric_points) + 1")  # writers take turns
 
 
 def _upsert_points(db_session: Session, rows: list[tuple[int, str, int, float | None, float, int]]) -> None:
@@ -172,13 +181,13 @@ def _upsert_points(db_session: Session, rows: list[tuple[int, str, int, float | 
             cur.execute(
                 f"INSERT INTO metric_points ({_COLUMNS}) "
                 "SELECT %s, k, s, v, t, %s FROM unnest(%s::varchar[], %s::bigint[], %s::float8[], %s::float8[]) "
-                f"AS u(k, s, v, t) {_OVERWRITE}",
+                f"AS u(k, s, v, t) {_OVERWRITE_POSTGRESQL}",
                 (rows[0][0], rows[0][5], [r[1] for r in rows], [r[2] for r in rows],
                  [r[3] for r in rows], [r[4] for r in rows]),
             )
     else:
         conn.exec_driver_sql(
-            f"INSERT INTO metric_points ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) {_OVERWRITE}", rows
+            f"INSERT INTO metric_points ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) {_OVERWRITE_SQLITE}", rows
         )
 
 
@@ -387,10 +396,10 @@ _LAST, _NONFINITE, _MAX, _MIN, _FIRST = range(5)
 def _downsample(
     db_session: Session, ranges: Mapping[Series, tuple[int, int]], max_points: int
 ) -> dict[Series, list[dict[str, Any]]]:
-    """Downsample every series in `ranges` ({series: (first step, last step)}) at once."""
-    mb = MetricBlock
+    """Downsample every series in `ranges` ({series: (first step, last step)}) at once. Buckets
+    are runs of `width` steps from a series' first step, at most (max_points - 1) // 4 of them."""
     n = max(1, (max_points - 1) // 4)
-    spans = {s: last - lo + 1 for s, (lo, last) in ranges.items()}
+    widths = {s: -(-(last - lo + 1) // n) for s, (lo, last) in ranges.items()}
     keep: dict[Series, dict[int, tuple[int, dict[str, Any]]]] = {s: {} for s in ranges}
 
     def offer(s: Series, priority: int, point: dict[str, Any]) -> None:
@@ -400,12 +409,12 @@ def _downsample(
 
     # the first point at or after each bucket's start: one index seek per bucket, so the cost
     # grows with max_points, not with the points stored
+    rows = [(*s, ranges[s][0], widths[s]) for s in ranges]
     series, params = _rows_param(
-        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "span": "bigint"},
-        [(*s, ranges[s][0], spans[s]) for s in ranges],
+        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
     )
     first_in_bucket = _points_join(
-        db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + (b.i * s.span) / CAST(:n AS BIGINT)"
+        db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
     )
     for run_id, key, *point in db_session.execute(
         text(f"""
@@ -418,29 +427,7 @@ def _downsample(
     ).all():
         offer((run_id, key), _FIRST, {"step": point[0], "value": point[1], "time": point[2]})
 
-    # extremes per bucket, from the per-block extremes (never from the raw series)
-    lows: dict[tuple[Series, int], tuple[float, int | None]] = {}
-    highs: dict[tuple[Series, int], tuple[float, int | None]] = {}
-    nonfinite: dict[tuple[Series, int], int] = {}
-    for run_id, key, block, lo_v, lo_s, hi_v, hi_s, nf in db_session.execute(
-        select(mb.run_id, mb.key, mb.block, mb.min_value, mb.min_step, mb.max_value, mb.max_step, mb.nonfinite_step)
-        # the primary key's prefix: an index scan, where a list of (run, key) pairs is a table scan
-        .where(mb.run_id.in_(sorted({r for r, _ in ranges})), mb.key.in_(sorted({k for _, k in ranges})))
-    ):
-        s = (run_id, key)
-        if s not in ranges:  # a key another of the runs has a long series of
-            continue
-        lo, span = ranges[s][0], spans[s]
-        b = (s, min(n - 1, max(0, (block * BLOCK_STEPS - lo) * n // span)))
-        if lo_v is not None and (b not in lows or lo_v < lows[b][0]):
-            lows[b] = (lo_v, lo_s)
-        if hi_v is not None and (b not in highs or hi_v > highs[b][0]):
-            highs[b] = (hi_v, hi_s)
-        if nf is not None and (b not in nonfinite or nf < nonfinite[b]):
-            nonfinite[b] = nf
-    wanted: dict[tuple[Series, int], int] = {(s, step): _MIN for (s, _), (_, step) in lows.items() if step is not None}
-    wanted.update({(s, step): _MAX for (s, _), (_, step) in highs.items() if step is not None})
-    wanted.update({(s, step): _NONFINITE for (s, _), step in nonfinite.items()})
+    wanted = _bucket_extremes(db_session, rows)
     wanted.update({(s, last): _LAST for s, (_, last) in ranges.items()})
     wanted_rows, params = _rows_param(
         db_session, "w", {"run_id": "integer", "key": "varchar", "step": "bigint"}, [(*s, step) for s, step in wanted]
@@ -456,6 +443,58 @@ def _downsample(
         chosen = sorted(held.values(), key=lambda h: (h[0], h[1]["step"]))[:max_points]
         out[s] = sorted((p for _, p in chosen), key=lambda p: p["step"])
     return out
+
+
+def _bucket_extremes(db_session: Session, rows: list[tuple[int, str, int, int]]) -> dict[tuple[Series, int], int]:
+    """{(series, step): priority} for the steps each bucket keeps for its values: the step of its
+    lowest min and of its highest max (the earliest on ties) and its first non-finite step,
+    folded from the per-block extremes by grouped passes inside the database (a million-point
+    series has 15,625 blocks; one row per bucket comes back). `rows` are (run_id, key, first
+    step, bucket width); a block counts in the bucket of its first step."""
+    wanted: dict[tuple[Series, int], int] = {}
+
+    def want(s: Series, step: Any, priority: int) -> None:
+        if step is not None and priority < wanted.get((s, int(step)), _FIRST + 1):
+            wanted[(s, int(step))] = priority
+
+    if db_session.get_bind().dialect.name == "postgresql":
+        series, params = _rows_param(
+            db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
+        )
+        params["block_steps"] = BLOCK_STEPS
+        blocks = f"FROM {series} JOIN metric_blocks mb ON mb.run_id = s.run_id AND mb.key = s.key"
+        group = ("GROUP BY s.run_id, s.key, CASE WHEN mb.block * :block_steps <= s.lo THEN 0 "
+                 "ELSE (mb.block * CAST(:block_steps AS BIGINT) - s.lo) / s.width END")
+        # one pass for every series; (value, step) pairs compare as arrays: min() is the lowest
+        # value at its earliest step, max() of (value, -step) the highest at its earliest step
+        for run_id, key, low, high, nonfinite in db_session.execute(text(
+            "SELECT s.run_id, s.key, "
+            "min(CASE WHEN mb.min_value IS NOT NULL THEN ARRAY[mb.min_value, CAST(mb.min_step AS FLOAT8)] END), "
+            "max(CASE WHEN mb.max_value IS NOT NULL THEN ARRAY[mb.max_value, -CAST(mb.max_step AS FLOAT8)] END), "
+            f"min(mb.nonfinite_step) {blocks} {group}"
+        ), params):
+            want((run_id, key), low[1] if low else None, _MIN)
+            want((run_id, key), -high[1] if high else None, _MAX)
+            want((run_id, key), nonfinite, _NONFINITE)
+        return wanted
+    # SQLite: a bare column beside a single min() or max() comes from the row holding it, so one
+    # grouped pass per extreme; and one series at a time, with its bounds as constants (a join
+    # to the series rows makes each pass several times slower, and SQLite's queries are cheap)
+    of_series = "FROM metric_blocks WHERE run_id = :run_id AND key = :key"
+    bucket = ("CASE WHEN block * :block_steps <= :lo THEN 0 "
+              "ELSE (block * CAST(:block_steps AS BIGINT) - :lo) / CAST(:width AS BIGINT) END")
+    for run_id, key, lo, width in rows:
+        bounds = {"run_id": run_id, "key": key, "lo": lo, "width": width, "block_steps": BLOCK_STEPS}
+        for select_, only, priority in (
+            ("min(min_value), min_step", "min_value IS NOT NULL", _MIN),
+            ("max(max_value), max_step", "max_value IS NOT NULL", _MAX),
+            ("0, min(nonfinite_step)", "nonfinite_step IS NOT NULL", _NONFINITE),
+        ):
+            for _, step in db_session.execute(
+                text(f"SELECT {select_} {of_series} AND {only} GROUP BY {bucket}"), bounds
+            ):
+                want((run_id, key), step, priority)
+    return wanted
 
 
 def max_point_id(*, db_session: Session) -> int:

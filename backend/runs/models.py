@@ -129,6 +129,18 @@ class RunEvent(Base):
     data: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
+class AppliedEventBatch(Base):
+    """An events batch id already applied to a run: a retried batch is a no-op."""
+
+    __tablename__ = "event_batches"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    events: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Checkpoint(Base):
     """A saved training state; the newest is the resume point."""
 

@@ -1,5 +1,6 @@
 """HTTP routes for experiments, runs, their state, events, checkpoints and live stream. Thin:
-each route checks who may call it and hands over to `backend.runs.service`."""
+each route checks who may call it and hands over to the service modules of `backend/runs/`
+(`experiments`, `creation`, `lifecycle`, `listing`, `events`, `checkpoints`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from backend.deps import (
     not_found,
 )
 from backend.fields import INT64_MAX, ExperimentIdPath, RunIdPath, StorableStr
-from backend.runs import service, stream
+from backend.runs import checkpoints, creation, events, experiments, lifecycle, listing, stream
 from backend.runs.schemas import (
     Accepted,
     AttemptOut,
@@ -88,7 +89,7 @@ def list_experiments(principal: Reader, db_session: ReadSessionDep) -> list[Expe
     """The project's experiments with their run counts."""
     return [
         ExperimentOut.model_validate(exp)
-        for exp in service.list_experiments(db_session=db_session, project_id=principal.project_id)
+        for exp in experiments.list_experiments(db_session=db_session, project_id=principal.project_id)
     ]
 
 
@@ -99,7 +100,7 @@ def list_experiments(principal: Reader, db_session: ReadSessionDep) -> list[Expe
 def create_experiment(body: ExperimentCreate, principal: Writer, db_session: SessionDep) -> ExperimentOut:
     """Create an experiment (runs also create theirs on first use)."""
     try:
-        exp = service.create_experiment(
+        exp = experiments.create_experiment(
             db_session=db_session,
             project_id=principal.project_id,
             name=body.name,
@@ -114,7 +115,7 @@ def create_experiment(body: ExperimentCreate, principal: Writer, db_session: Ses
 
 @router.get("/experiments/{experiment_id}", response_model=ExperimentOut, tags=["experiments"])
 def get_experiment(experiment_id: ExperimentIdPath, principal: Reader, db_session: ReadSessionDep) -> ExperimentOut:
-    exp = service.get_experiment(
+    exp = experiments.get_experiment(
         db_session=db_session, project_id=principal.project_id, experiment_id=experiment_id
     )
     if exp is None:
@@ -144,7 +145,7 @@ def create_run(
     ] = None,
 ) -> RunOut:
     """Validate the config and queue a run. Creates the experiment if needed."""
-    run, created = service.create_run(
+    run, created = creation.create_run(
         db_session=db_session, principal=principal, run_in=body, idempotency_key=idempotency_key
     )
     db_session.commit()
@@ -212,7 +213,7 @@ def list_runs(
         states = [RunState(s) for s in _csv(state)]
     except ValueError:
         raise HTTPException(422, f"state must be among {', '.join(RunState)}") from None
-    query = service.RunQuery(
+    query = listing.RunQuery(
         states=states,
         experiment=experiment,
         tags=tag or [],
@@ -224,9 +225,9 @@ def list_runs(
         cursor=cursor,
         limit=limit,
         metric_keys=_csv(metrics),
-        metric_filters=[service.parse_metric_filter(w) for w in where or []],
+        metric_filters=[listing.parse_metric_filter(w) for w in where or []],
     )
-    runs, summaries, next_cursor, scores = service.list_runs(
+    runs, summaries, next_cursor, scores = listing.list_runs(
         db_session=db_session, project_id=principal.project_id, query=query
     )
     return RunPage(
@@ -249,7 +250,7 @@ def compare_runs(
         run_ids = [int(v) for v in _csv(runs)]
     except ValueError:
         raise HTTPException(422, "runs must be comma-separated run ids") from None
-    compared = service.compare_runs(
+    compared = listing.compare_runs(
         db_session=db_session,
         project_id=principal.project_id,
         run_ids=run_ids,
@@ -275,7 +276,7 @@ def get_run(run: ReadableRun) -> RunOut:
 
 @router.get("/runs/{run_id}/attempts", response_model=list[AttemptOut], tags=["runs"])
 def list_attempts(run: ReadableRun, db_session: ReadSessionDep) -> list[AttemptOut]:
-    return [AttemptOut.model_validate(a) for a in service.list_attempts(db_session=db_session, run_id=run.id)]
+    return [AttemptOut.model_validate(a) for a in lifecycle.list_attempts(db_session=db_session, run_id=run.id)]
 
 
 @router.post("/runs/{run_id}/cancel", response_model=RunOut, tags=["runs"], responses=_409)
@@ -284,7 +285,7 @@ def cancel_run(
 ) -> RunOut:
     """Cancel: a queued run is cancelled at once, a started one moves to `cancelling` until
     the dispatcher has stopped it. Cancelling a cancelled run changes nothing."""
-    run = service.cancel(
+    run = lifecycle.cancel(
         db_session=db_session,
         run_id=run_id,
         project_id=principal.project_id,
@@ -299,7 +300,7 @@ def retry_run(
     run_id: RunIdPath, principal: Writer, db_session: SessionDep, body: RunAction | None = None
 ) -> RunOut:
     """Queue a failed run again: attempt += 1, resuming from its newest checkpoint."""
-    run = service.retry(
+    run = lifecycle.retry(
         db_session=db_session,
         run_id=run_id,
         project_id=principal.project_id,
@@ -322,7 +323,7 @@ def report_state(run: StateWritableRun, body: StateUpdate, principal: CurrentPri
             403, f"only an admin token may set state {body.state.value}; run tokens report "
             "running, succeeded or failed"
         )
-    run = service.transition(
+    run = lifecycle.transition(
         db_session=db_session,
         run_id=run.id,
         to_state=body.state,
@@ -330,7 +331,7 @@ def report_state(run: StateWritableRun, body: StateUpdate, principal: CurrentPri
         summary=body.summary,
         allow_same=True,
     )
-    service.record_environment(
+    lifecycle.record_environment(
         db_session=db_session,
         run=run,
         code_version=body.code_version,
@@ -345,11 +346,14 @@ def report_state(run: StateWritableRun, body: StateUpdate, principal: CurrentPri
 
 
 @router.post("/runs/{run_id}/events", response_model=Accepted, tags=["events"])
-def post_events(run: WritableRun, body: EventBatch, db_session: SessionDep) -> Accepted:
-    """Append to the run's timeline (placement, phase_spans, restart, warning, eval, checkpoint)."""
-    n = service.add_events(db_session=db_session, run=run, events=body.events)
+def post_events(run: WritableRun, body: EventBatch, db_session: SessionDep, response: Response) -> Accepted:
+    """Append to the run's timeline (placement, phase_spans, restart, warning, eval, checkpoint).
+    A batch whose `batch_id` the run has applied before changes nothing."""
+    done = events.add_events(db_session=db_session, run=run, events=body.events, batch_id=body.batch_id)
     db_session.commit()
-    return Accepted(accepted=n)
+    if done.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return Accepted(accepted=done.accepted)
 
 
 @router.get("/runs/{run_id}/events", response_model=list[EventOut], tags=["events"])
@@ -361,16 +365,16 @@ def list_events(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> list[EventOut]:
     """The run's timeline in order."""
-    events = service.list_events(
+    found = events.list_events(
         db_session=db_session, run_id=run.id, after_id=after_id, kinds=_csv(kind), limit=limit
     )
-    return [EventOut.model_validate(e) for e in events]
+    return [EventOut.model_validate(e) for e in found]
 
 
 @router.post("/runs/{run_id}/checkpoints", response_model=CheckpointOut, status_code=201, tags=["checkpoints"])
 def post_checkpoint(run: WritableRun, body: CheckpointIn, db_session: SessionDep) -> CheckpointOut:
     """Record a checkpoint the trainer saved."""
-    ckpt = service.add_checkpoint(db_session=db_session, run=run, checkpoint_in=body)
+    ckpt = checkpoints.add_checkpoint(db_session=db_session, run=run, checkpoint_in=body)
     db_session.commit()
     return CheckpointOut.model_validate(ckpt)
 
@@ -378,7 +382,7 @@ def post_checkpoint(run: WritableRun, body: CheckpointIn, db_session: SessionDep
 @router.get("/runs/{run_id}/checkpoints", response_model=list[CheckpointOut], tags=["checkpoints"])
 def list_checkpoints(run: ReadableRun, db_session: ReadSessionDep) -> list[CheckpointOut]:
     """The run's checkpoints, newest last."""
-    return [CheckpointOut.model_validate(c) for c in service.list_checkpoints(db_session=db_session, run_id=run.id)]
+    return [CheckpointOut.model_validate(c) for c in checkpoints.list_checkpoints(db_session=db_session, run_id=run.id)]
 
 
 # --- live stream ----------------------------------------------------------------------------------
@@ -408,7 +412,7 @@ async def stream_run(
 
     def check() -> bool:
         with db.read_session() as s:
-            return service.get(db_session=s, project_id=principal.project_id, run_id=run_id) is not None
+            return lifecycle.get(db_session=s, project_id=principal.project_id, run_id=run_id) is not None
 
     try:
         stream.parse_event_id(last_event_id)

@@ -251,14 +251,20 @@ class EventBatch(BaseModel):
         json_schema_extra={
             "examples": [
                 {
+                    "batch_id": "a1-000000000043",
                     "events": [
                         {"kind": "placement", "message": "colocate on 2 devices", "data": {"mode": "colocate", "devices": 2}}
-                    ]
+                    ],
                 }
             ]
         },
     )
 
+    batch_id: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$",
+        description="The sender's id for this batch: a batch the run has already applied is "
+        "not applied again (the answer carries `Idempotent-Replayed: true`).",
+    )
     events: list[EventIn] = Field(..., max_length=10_000)
 
 

@@ -9,6 +9,10 @@ What a client can rely on:
   lag window: rows above the floor are re-read each poll and sent once, and the floor only
   passes a row once it has been seen for `LAG_S` seconds. After a resume, rows in that window
   may come again: `(key, step)` identifies a point, `id` an event;
+- a point is sent again when it is overwritten (a resumed attempt repeats steps it reported, or
+  a batch is resent without its id): the row takes a new id, so it comes again with its key,
+  step and the `attempt` that wrote it. A client keeps one value per (key, step) and replaces
+  the one it holds: the series never holds a step twice;
 - the stream follows the run across retries (a `failed` attempt with attempts left is not the
   end; each new attempt is a `state` event) and ends after a final state has been sent.
 
@@ -34,7 +38,7 @@ from starlette.requests import Request
 
 from backend.db import Database
 from backend.metrics.models import MetricPoint
-from backend.runs import service
+from backend.runs import lifecycle
 from backend.runs.models import Run, RunEvent
 from backend.runs.schemas import EventOut
 from backend.runs.state import is_over as state_is_over
@@ -89,7 +93,7 @@ def point_rows_after(db_session: Session, run_id: int, floor: int, limit: int = 
     mp = MetricPoint
     return list(
         db_session.execute(
-            select(mp.id, mp.key, mp.step, mp.value, mp.time)
+            select(mp.id, mp.key, mp.step, mp.value, mp.time, mp.attempt)
             .where(mp.run_id == run_id, mp.id > floor).order_by(mp.id).limit(limit)
         )
     )
@@ -109,7 +113,7 @@ def _sse(event: str, data: Any, event_id: str) -> ServerSentEvent:
 
 
 def _point(p: Any) -> dict[str, Any]:
-    return {"key": p.key, "step": p.step, "value": p.value, "time": p.time}
+    return {"key": p.key, "step": p.step, "value": p.value, "time": p.time, "attempt": p.attempt}
 
 
 def _state(run: Run) -> dict[str, Any]:
@@ -145,7 +149,7 @@ class RunStream:
         out: list[ServerSentEvent] = []
         with self.db.read_session() as s:
             # the state first: whatever committed before it is visible to the reads below
-            run = service.get_any(db_session=s, run_id=self.run_id)
+            run = lifecycle.get_any(db_session=s, run_id=self.run_id)
             if run is None:
                 self.over = True
                 return [_sse("state", {"run_id": self.run_id, "state": None, "deleted": True}, self.event_id())]

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from backend.client import YattAPIError
-from backend.runs import service as run_service
-from backend.runs.service import RunStateChange
+from backend.runs import hooks, lifecycle
+from backend.runs.hooks import RunStateChange
 from tests.conftest import DATABASES, LiveAPI
 
 pytestmark = pytest.mark.parametrize("live_api", DATABASES, indirect=True)
@@ -158,7 +158,7 @@ def test_state_machine_over_http(live_api: LiveAPI) -> None:
         r = trainer.post(f"/runs/{run['id']}/state", json={"state": "succeeded"})
         assert r.status_code == 403 and "the run is queued" in r.json()["detail"]  # not launched yet
         with live_api.database.session() as s:  # the dispatcher moves it without HTTP
-            run_service.transition(db_session=s, run_id=run["id"], to_state="starting")
+            lifecycle.transition(db_session=s, run_id=run["id"], to_state="starting")
         assert trainer.post(f"/runs/{run['id']}/state", json={"state": "running", "code_version": "abc"}).status_code == 200
         assert trainer.post(f"/runs/{run['id']}/state", json={"state": "running"}).status_code == 200  # retried report
         failed = trainer.post(f"/runs/{run['id']}/state", json={"state": "failed", "reason": "OOM at step 3"}).json()
@@ -183,11 +183,11 @@ def test_state_machine_over_http(live_api: LiveAPI) -> None:
 def test_cancel_of_a_running_run_waits_for_the_dispatcher(live_api: LiveAPI) -> None:
     run = new_run(live_api)
     with live_api.database.session() as s:
-        run_service.transition(db_session=s, run_id=run["id"], to_state="starting")
-        run_service.transition(db_session=s, run_id=run["id"], to_state="running")
+        lifecycle.transition(db_session=s, run_id=run["id"], to_state="starting")
+        lifecycle.transition(db_session=s, run_id=run["id"], to_state="running")
     assert live_api.client.cancel_run(run["id"], reason="wrong lr")["state"] == "cancelling"
     with live_api.database.session() as s:
-        run_service.transition(db_session=s, run_id=run["id"], to_state="cancelled")
+        lifecycle.transition(db_session=s, run_id=run["id"], to_state="cancelled")
     with pytest.raises(YattAPIError) as err:
         live_api.client.report_state(run["id"], "running")
     assert err.value.status == 409 and "is cancelled" in err.value.message
@@ -198,20 +198,20 @@ def test_state_hooks_fire_after_commit_with_the_row_visible(live_api: LiveAPI) -
 
     def hook(change: RunStateChange) -> None:
         with live_api.database.read_session() as s:  # another connection sees the committed row
-            row = run_service.get_any(db_session=s, run_id=change.run_id)
+            row = lifecycle.get_any(db_session=s, run_id=change.run_id)
             seen.append((change, row.state if row else None))
 
-    run_service.add_state_hook(hook)
+    hooks.add_state_hook(hook)
     try:
         run = new_run(live_api)
         with live_api.database.sessionmaker() as s:  # rolled back: no hook call
-            run_service.transition(db_session=s, run_id=run["id"], to_state="starting")
+            lifecycle.transition(db_session=s, run_id=run["id"], to_state="starting")
             s.rollback()
         live_api.client.cancel_run(run["id"])
         with pytest.raises(YattAPIError):
             new_run(live_api, config={"seed": "x"})  # refused: no hook call
     finally:
-        run_service.remove_state_hook(hook)
+        hooks.remove_state_hook(hook)
     mine = [(c.from_state, c.to_state, state) for c, state in seen if c.run_id == run["id"]]
     assert mine == [(None, "queued", "queued"), ("queued", "cancelled", "cancelled")]
     assert len(seen) == 2
@@ -359,7 +359,7 @@ def test_sse_stream_sends_state_metrics_events_and_ends(live_api: LiveAPI) -> No
         trainer.post_events(run["id"], [{"kind": "warning", "message": "slow sampler"}])
     time.sleep(0.3)
     with live_api.database.session() as s:
-        run_service.transition(db_session=s, run_id=run["id"], to_state="succeeded")
+        lifecycle.transition(db_session=s, run_id=run["id"], to_state="succeeded")
     listener.join(15)
     assert not listener.is_alive(), "the stream must end when the run is final"
     assert received[0] == ("state", {"run_id": run["id"], "state": "queued", "attempt": 1, "error": None})
@@ -402,7 +402,7 @@ def test_concurrent_writers_do_not_trip_over_each_other(live_api: LiveAPI) -> No
             for _ in range(10):
                 new_run(live_api, experiment="other")
                 with live_api.database.session() as s:
-                    run_service.queued_runs(db_session=s)
+                    lifecycle.queued_runs(db_session=s)
         except BaseException as exc:
             errors.append(exc)
 

@@ -181,11 +181,11 @@ def test_cluster_shows_other_projects_only_as_device_counts(live_api: LiveAPI) -
     other = live_api.client_for("admin", project=f"{live_api.project}-other")
     theirs = other.create_run(experiment="secret-exp", name="secret-run", config=CONFIG)
     mine = live_api.client.create_run(experiment="exp", name="my-run", config=CONFIG)
-    from backend.runs import service as run_service
+    from backend.runs import lifecycle
 
     with live_api.database.session() as s:
         for run in (theirs, mine):
-            run_service.transition(db_session=s, run_id=run["id"], to_state="starting")
+            lifecycle.transition(db_session=s, run_id=run["id"], to_state="starting")
         s.commit()
     view = live_api.client.cluster()
     assert [r["id"] for r in view["runs"]] == [mine["id"]] and view["runs"][0]["name"] == "my-run"
@@ -195,7 +195,7 @@ def test_cluster_shows_other_projects_only_as_device_counts(live_api: LiveAPI) -
     assert view["queued"] == 0
     with live_api.database.session() as s:
         for run in (theirs, mine):
-            run_service.transition(db_session=s, run_id=run["id"], to_state="failed", reason="test over")
+            lifecycle.transition(db_session=s, run_id=run["id"], to_state="failed", reason="test over")
         s.commit()
     other.close()
 

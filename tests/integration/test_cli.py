@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from backend.auth import service as auth_service
 from backend.cli import app
 from backend.db import Database
-from backend.runs import service as run_service
+from backend.runs import lifecycle
 from backend.runs.models import Run
 from backend.settings import get_settings
 from tests.conftest import LiveAPI
@@ -59,7 +59,7 @@ def finish_runs_in_background(api: LiveAPI, final: str, reason: str | None = Non
                 if mine:
                     rid = mine[0].id
                     for state in ("starting", "running", final):
-                        run_service.transition(db_session=s, run_id=rid, to_state=state, reason=reason)
+                        lifecycle.transition(db_session=s, run_id=rid, to_state=state, reason=reason)
                     return
             time.sleep(0.1)
 

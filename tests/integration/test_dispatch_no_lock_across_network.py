@@ -20,7 +20,7 @@ import httpx
 
 from backend.dispatch import service as dispatch
 from backend.dispatch.ray_cluster import RayCluster
-from backend.runs import service as runs
+from backend.runs import lifecycle
 from backend.runs.state import RunState
 from tests.conftest import LiveAPI
 
@@ -62,7 +62,7 @@ def test_reconcile_against_a_slow_ray_does_not_stall_ingest(fresh_api: LiveAPI, 
     launching = api.client.create_run(experiment="locks", config={})
     token = api.start_attempt(training["id"])
     with api.database.session() as s:
-        runs.transition(db_session=s, run_id=launching["id"], to_state=RunState.starting)
+        lifecycle.transition(db_session=s, run_id=launching["id"], to_state=RunState.starting)
 
     report: list[dispatch.ReconcileReport] = []
     took: list[float] = []

@@ -4,6 +4,7 @@ late points neither double nor lose anything, and counts/min/max match what is s
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from sqlalchemy import func, select
 from backend.metrics.models import MetricBlock, MetricPoint
 from backend.metrics.schemas import MetricPointIn
 from backend.metrics.service import ingest
-from backend.runs import service as runs
+from backend.runs import lifecycle
 from backend.runs.state import RunState
 from tests.conftest import DATABASES, LiveAPI
 
@@ -55,7 +56,7 @@ def test_retried_batches_and_a_resume_leave_one_point_per_key_and_step(live_api:
 
     # attempt 1 fails; attempt 2 resumes from the checkpoint at step 25 and repeats steps 25..29
     with live_api.database.session() as s:
-        runs.transition(db_session=s, run_id=run["id"], to_state=RunState.failed, reason="node lost")
+        lifecycle.transition(db_session=s, run_id=run["id"], to_state=RunState.failed, reason="node lost")
     with live_api.run_client(run["id"]) as second:
         second.post_metrics(run["id"], _points(range(25, 40), keys, offset=1000.0), batch_id="a2-000000000001")
 
@@ -74,6 +75,30 @@ def test_retried_batches_and_a_resume_leave_one_point_per_key_and_step(live_api:
     series = live_api.client.metrics(run["id"], ["reward/mean"])["reward/mean"]
     assert [p["step"] for p in series] == list(range(40))
     assert [p["value"] for p in series[24:27]] == [24.0, 1025.0, 1026.0]
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_a_retried_events_batch_is_stored_once(live_api: LiveAPI) -> None:
+    run = _run(live_api)
+    events = [{"kind": "placement", "message": "colocate on 2 devices"}, {"kind": "warning", "message": "slow"}]
+    with live_api.run_client(run["id"]) as trainer:
+        for _ in range(3):  # the reporter timed out twice and resent the same batch
+            assert trainer.post_events(run["id"], events, batch_id="a1-000000000007") == 2
+        raw = httpx.post(f"{live_api.url}/api/v1/runs/{run['id']}/events",
+                         headers={"Authorization": f"Bearer {trainer.token}"},
+                         json={"batch_id": "a1-000000000007", "events": events})
+        assert raw.status_code == 200 and raw.headers["Idempotent-Replayed"] == "true"
+        assert raw.json()["accepted"] == 2
+        # a new batch id (or none) is news; the same id in the metrics namespace is another batch
+        assert trainer.post_events(run["id"], events[:1], batch_id="a1-000000000008") == 1
+        assert trainer.post_events(run["id"], events[:1]) == 1
+        assert trainer.post_metrics(run["id"], _points(range(1), ("loss",)), batch_id="a1-000000000007") == 1
+        bad = httpx.post(f"{live_api.url}/api/v1/runs/{run['id']}/events",
+                         headers={"Authorization": f"Bearer {trainer.token}"},
+                         json={"batch_id": "no spaces", "events": events})
+        assert bad.status_code == 422 and "batch_id" in bad.text
+    timeline = [e for e in live_api.client.events(run["id"]) if e["kind"] in ("placement", "warning")]
+    assert [e["kind"] for e in timeline] == ["placement", "warning", "placement", "placement"]
 
 
 @pytest.mark.parametrize("live_api", DATABASES, indirect=True)
@@ -97,6 +122,42 @@ def test_overwriting_the_extreme_recomputes_min_max_and_blocks(live_api: LiveAPI
         extremes = (block.max_value, block.max_step, block.min_value, block.min_step)
     assert total == 100
     assert extremes == (2.0, 50, -5.0, 60)
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_downsampling_keeps_every_buckets_extremes_and_first_non_finite_step(live_api: LiveAPI) -> None:
+    """Each bucket of steps (`width` steps from the first; a 64-step block counts in the bucket
+    of its first step) keeps its lowest and highest value and its first NaN, as stored points."""
+    run = _run(live_api)
+    live_api.start_attempt(run["id"])
+    rng = random.Random(3)
+    n, first, max_points = 20_000, 40, 200
+    values = {s: rng.gauss(0, 1) for s in range(first, first + n)}
+    for s in rng.sample(sorted(values), 30):
+        values[s] = rng.choice([math.nan, math.inf, 40.0, -40.0])
+    points = [MetricPointIn.model_construct(key="loss", step=s, value=v, time=float(s)) for s, v in values.items()]
+    with live_api.database.session() as session:
+        ingest(db_session=session, run_id=run["id"], points=points)
+
+    series = live_api.client.metrics(run["id"], ["loss"], max_points=max_points)["loss"]
+    assert len(series) <= max_points
+    got = {p["step"]: p["value"] for p in series}
+    for step, value in got.items():  # real points only
+        stored = values[step]
+        assert (value is None and not math.isfinite(stored)) or value == stored
+    width = -(-n // ((max_points - 1) // 4))
+    buckets: dict[int, list[int]] = {}
+    for s in values:
+        block_start = s // 64 * 64
+        buckets.setdefault(max(0, block_start - first) // width if block_start > first else 0, []).append(s)
+    for steps in buckets.values():
+        finite = [s for s in steps if math.isfinite(values[s])]
+        assert min(values[s] for s in finite) in got.values()
+        assert max(values[s] for s in finite) in got.values()
+        nonfinite = [s for s in steps if not math.isfinite(values[s])]
+        if nonfinite:
+            assert got.get(min(nonfinite), 0.0) is None
+    assert max(got) == first + n - 1 and min(got) == first
 
 
 def test_a_spike_and_a_nan_survive_downsampling_a_million_points(live_api: LiveAPI) -> None:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from backend.metrics.models import MetricPoint
-from backend.runs import service as run_service
+from backend.runs import events, lifecycle
 from backend.runs.models import Run
 from backend.runs.schemas import EventIn
 from backend.runs.stream import RowTail
@@ -52,7 +52,7 @@ class Listener:
 def finish(api: LiveAPI, run_id: int, *states: str) -> None:
     with api.database.session() as s:
         for state in states:
-            run_service.transition(db_session=s, run_id=run_id, to_state=state, reason="test")
+            lifecycle.transition(db_session=s, run_id=run_id, to_state=state, reason="test")
         s.commit()
 
 
@@ -83,7 +83,7 @@ def test_every_event_has_an_id_history_comes_first_and_resume_continues(live_api
 
     live_api.seed_metrics(run["id"], points(8, 12))
     with live_api.database.session() as s:  # what the trainer's token would post
-        run_service.add_events(db_session=s, run=s.get(Run, run["id"]),
+        events.add_events(db_session=s, run=s.get(Run, run["id"]),
                                events=[EventIn(kind="warning", message="after the break")])
     second = Listener(live_api, run["id"], last_event_id=resume_at)
     finish(live_api, run["id"], "succeeded")
@@ -109,7 +109,7 @@ def test_stream_follows_a_run_across_its_retry(live_api: LiveAPI) -> None:
     time.sleep(1.0)
     assert listener.thread.is_alive(), "a failed attempt with attempts left is not the end"
     with live_api.database.session() as s:
-        run_service.retry(db_session=s, run_id=run["id"], reason="retry")
+        lifecycle.retry(db_session=s, run_id=run["id"], reason="retry")
         s.commit()
     live_api.seed_metrics(run["id"], points(0, 3, key="attempt2/loss"))
     finish(live_api, run["id"], "starting", "running", "succeeded")
@@ -118,6 +118,35 @@ def test_stream_follows_a_run_across_its_retry(live_api: LiveAPI) -> None:
     states = [(d["state"], d["attempt"]) for _, e, d in listener.received if e == "state"]
     assert ("failed", 1) in states and ("succeeded", 2) == states[-1]
     assert listener.steps("attempt2/loss") == [0, 1, 2]
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_a_step_a_resumed_attempt_overwrites_is_sent_again_and_replaces_the_old_value(live_api: LiveAPI) -> None:
+    run = live_api.client.create_run(experiment="exp", config=CONFIG, max_attempts=2)
+    listener = Listener(live_api, run["id"])
+    first = live_api.run_client(run["id"])
+    first.post_metrics(run["id"], points(0, 10), batch_id="a1-0")
+    listener.wait(lambda: sorted(listener.steps()) == list(range(10)))
+    finish(live_api, run["id"], "failed")
+    second = live_api.run_client(run["id"])  # attempt 2 resumes from step 5 with other values
+    second.post_metrics(run["id"], [{**p, "value": p["value"] + 100} for p in points(5, 15)], batch_id="a2-0")
+    sent = lambda: [(p["step"], p["attempt"]) for _, e, d in listener.received if e == "metric" for p in d["points"]]  # noqa: E731
+    listener.wait(lambda: {(s, 2) for s in range(5, 15)} <= set(sent()))
+    finish(live_api, run["id"], "succeeded")
+    listener.thread.join(20)
+    assert not listener.thread.is_alive()
+
+    # each overwritten step came once per attempt, the rewrite marked with the attempt that wrote it
+    assert sorted(s for s, _ in sent() if 5 <= s < 10) == sorted(list(range(5, 10)) * 2)
+    assert [a for s, a in sent() if 5 <= s < 10][-5:] == [2] * 5
+    # a client keeping one value per (key, step) ends with exactly what the API stores
+    held: dict[int, float] = {}
+    for _, e, d in listener.received:
+        if e == "metric":
+            held.update({p["step"]: p["value"] for p in d["points"]})
+    stored = live_api.client.metrics(run["id"], ["loss"], max_points=100)["loss"]
+    assert held == {p["step"]: p["value"] for p in stored}
+    assert len(stored) == 15 and held[5] == pytest.approx(100.5) and held[4] == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("live_api", DATABASES, indirect=True)
@@ -160,7 +189,7 @@ def test_logs_tail_with_follow_on_a_finished_attempt_sends_the_tail_and_ends(liv
     with live_api.database.session() as s:
         s.add(RunLog(run_id=run["id"], attempt=1, text="".join(f"step {i}\n" for i in range(50)),
                      updated_at=utcnow()))
-        run_service.transition(db_session=s, run_id=run["id"], to_state="failed", reason="test")
+        lifecycle.transition(db_session=s, run_id=run["id"], to_state="failed", reason="test")
         s.commit()
     with httpx.Client(base_url=live_api.url + "/api/v1", timeout=10,
                       headers={"Authorization": f"Bearer {live_api.token}"}) as c:

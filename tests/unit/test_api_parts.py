@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from backend.cli_service import ci_metadata
 from backend.client import _error_of
 from backend.metrics.service import finite_or_none
-from backend.runs.service import InvalidQuery, _decode_cursor, _encode_cursor
+from backend.runs.listing import InvalidQuery, _decode_cursor, _encode_cursor
 from backend.settings import Settings
 
 

@@ -1,10 +1,13 @@
 """`follow_log` (GET /runs/{id}/logs?follow=true): the tail first, then only what is appended,
-until the attempt has ended. Reads are scripted snapshots of a growing log."""
+until the attempt has ended. Reads are scripted snapshots of a growing log; Ray's live tail
+(tests/integration/test_log_tail_ray.py runs the real one) is a scripted chunk sequence."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
+from backend.dispatch.ray_cluster import RayUnavailable
 from backend.dispatch.routes import LogSnapshot, follow_log, tail_lines
 
 
@@ -56,3 +59,85 @@ def test_tail_lines() -> None:
     assert tail_lines("a\nb\nc", 2) == "b\nc"
     assert tail_lines("a\nb\n", None) == "a\nb\n"
     assert tail_lines("", 3) == ""
+
+
+def follow_with_live_tail(
+    snapshots: list[LogSnapshot], tails: list[list[str] | Exception], tail: int | None
+) -> tuple[list[str], int, list[str]]:
+    """Chunks sent, reads made, and the submission ids the live tail was opened for."""
+    reads, opened = iter(snapshots[1:]), []
+    count = 0
+    connections = iter(tails)
+
+    async def read() -> LogSnapshot:
+        nonlocal count
+        count += 1
+        return next(reads)
+
+    async def live_tail(submission_id: str) -> AsyncIterator[str]:
+        opened.append(submission_id)
+        script = next(connections)
+        if isinstance(script, Exception):
+            raise script
+        for chunk in script:
+            yield chunk
+
+    async def run() -> list[str]:
+        return [c async for c in follow_log(read, first=snapshots[0], tail=tail, live_tail=live_tail,
+                                            poll_s=0.001)]
+
+    return asyncio.run(run()), count, opened
+
+
+def test_a_running_job_is_followed_over_one_live_tail_not_by_rereading_its_log() -> None:
+    log = "".join(f"line {i}\n" for i in range(10))
+    chunks, reads, opened = follow_with_live_tail(
+        [
+            LogSnapshot(log, True, "running", "yatt-run-1-a1"),
+            LogSnapshot(log + "line 10\nline 11\n", False, "succeeded"),  # after the job ended
+        ],
+        # Ray's tail sends the whole log from its start, in its own chunks, then what is appended
+        [[log[:25], log[25:], "line 10\n", "line 11\n"]],
+        tail=2,
+    )
+    assert chunks == ["line 8\nline 9\n", "line 10\n", "line 11\n"]
+    assert reads == 1 and opened == ["yatt-run-1-a1"]  # one read to learn that the attempt ended
+
+
+def test_a_live_tail_that_cuts_a_line_sends_only_the_new_part() -> None:
+    log = "a\nb\n"
+    chunks, _, _ = follow_with_live_tail(
+        [LogSnapshot(log, True, "running", "s"), LogSnapshot(log + "cd\n", False, "failed")],
+        [["a\nb\nc", "d\n"]],
+        tail=None,
+    )
+    assert chunks == ["a\nb\n", "c", "d\n"]
+
+
+def test_when_the_live_tail_fails_the_log_is_polled_instead() -> None:
+    log = "one\n"
+    chunks, reads, opened = follow_with_live_tail(
+        [
+            LogSnapshot(log, True, "running", "s"),
+            LogSnapshot(log + "two\n", True, "running", "s"),
+            LogSnapshot(log + "two\nthree\n", False, "succeeded"),
+        ],
+        [RayUnavailable("no websocket")],
+        tail=None,
+    )
+    assert chunks == ["one\n", "two\n", "three\n"] and reads == 2 and opened == ["s"]
+
+
+def test_a_live_tail_that_closes_at_once_is_not_reopened_on_every_poll() -> None:
+    log = "one\n"
+    chunks, reads, opened = follow_with_live_tail(
+        [
+            LogSnapshot(log, True, "running", "s"),
+            LogSnapshot(log, True, "running", "s"),
+            LogSnapshot(log + "two\n", True, "running", "s"),
+            LogSnapshot(log + "two\n", False, "succeeded"),
+        ],
+        [["one\n"]],  # the whole log so far, then closed while the job still runs
+        tail=None,
+    )
+    assert chunks == ["one\n", "two\n"] and reads == 3 and opened == ["s"]

@@ -155,6 +155,12 @@ def test_a_restarted_reporter_replays_what_it_left_spooled_with_the_same_batch_i
         assert [(p["step"], p["value"]) for p in api.points()] == [(3, 0.25), (4, 0.5)]
         ids = [body["batch_id"] for path, body, _ in api.received if path.endswith("/metrics")]
         assert ids[0] == batch_id and len(set(ids)) == 2  # the server can tell a resend from news
+        second_events = HttpReporter(f"http://127.0.0.1:{port}", "tok", 7, spool_dir=tmp_path / "spool",
+                                     flush_interval_s=0.05, retry_backoff_s=0.01)
+        second_events.log_event("warning", "slow step")
+        second_events.close(timeout_s=5)
+        (events_body,) = [body for path, body, _ in api.received if path.endswith("/events")]
+        assert events_body["batch_id"] not in ids and events_body["events"][0]["message"] == "slow step"
         assert not list((tmp_path / "spool").glob("*.json"))
     finally:
         api.stop()

@@ -198,7 +198,7 @@ class HttpReporter:
             batches = self._batches(items)
             first, self._seq = self._seq + 1, self._seq + len(batches)
         for seq, (route, body) in enumerate(batches, start=first):
-            if route == "metrics":
+            if route in ("metrics", "events"):  # a resent batch is then a no-op on the server
                 body["batch_id"] = f"{self._batch_prefix}-{seq:012d}"
             path = self.spool_dir / f"{seq:012d}-{route}.json"
             tmp = path.with_suffix(".tmp")
