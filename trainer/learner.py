@@ -493,8 +493,9 @@ class Learner:
         return out
 
     def named_weights(self) -> dict[str, Tensor]:
-        """The policy's weights by HF name, on CPU: what a sampler loads after an update."""
-        return {k: v.detach().to("cpu") for k, v in self.policy.state_dict().items()}
+        """The policy's weights by HF name, where they live (no copy): what a sampler loads after
+        an update, in place or through trainer.weight_sync's broadcast."""
+        return {k: v.detach() for k, v in self.policy.state_dict().items()}
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.policy.parameters())
