@@ -8,7 +8,9 @@ and tensors never leave the controller except to its own sampler.
 The sampler is in-process when colocated (it sleeps while the policy trains) and/or a set of
 rollout-worker actors on other devices (disaggregated, or the single-controller baseline). In
 disaggregated mode the rollout of the next step is dispatched before this step trains
-(`placement.staleness` steps ahead at most), so generation and training overlap.
+(`placement.staleness` steps ahead at most), so generation and training overlap. New weights
+go out through trainer/weight_sync.py: in place into the colocated sampler; from controller 0,
+one bucketed broadcast to every rollout worker of the run.
 """
 
 from __future__ import annotations
