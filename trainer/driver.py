@@ -129,7 +129,7 @@ class Driver:
             raise
         plan = placement.plan
         self.reporter.log_event("placement", f"{plan.mode} on {plan.devices} {plan.device_type} "
-                                f"devices, {len(plan.train_devices)} controller(s)", plan.to_event())
+                                f"devices, {len(plan.train_devices)} controller(s)", placement.to_event())
         for w in placement.warnings:
             self.reporter.log_event("warning", w, {})
         resume = ckpt.latest_checkpoint(self.run_dir)
