@@ -134,7 +134,8 @@ def start_second_node(gcs_address: str, temp_dir: str) -> subprocess.Popen:
     deadline = time.time() + 180
     while sum(n["Alive"] for n in ray.nodes()) < 2:
         if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
+            proc.terminate()  # ray start --block stops the raylet it started
+            proc.wait(timeout=60)
             raise RuntimeError("the second Ray node did not join")
         time.sleep(1)
     return proc
