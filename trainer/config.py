@@ -153,6 +153,10 @@ class RolloutConfig(_Group):
     stop: list[str] = Field(default_factory=list)
     kv_cache_gb: float = Field(1.0, gt=0, description="vLLM KV cache (CPU: VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1)
+    weight_sync_bucket_mb: float = Field(
+        256.0, gt=0, description="Bucket size of the weight broadcast from the training ranks to "
+        "the rollout engines (one collective per bucket; each engine loads a bucket as it arrives)."
+    )
 
 
 class RewardConfig(_Group):

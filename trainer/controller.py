@@ -8,7 +8,9 @@ and tensors never leave the controller except to its own sampler.
 The sampler is in-process when colocated (it sleeps while the policy trains) and/or a set of
 rollout-worker actors on other devices (disaggregated, or the single-controller baseline). In
 disaggregated mode the rollout of the next step is dispatched before this step trains
-(`placement.staleness` steps ahead at most), so generation and training overlap.
+(`placement.staleness` steps ahead at most), so generation and training overlap. New weights
+go out through trainer/weight_sync.py: in place into the colocated sampler; from controller 0,
+one bucketed broadcast to every rollout worker of the run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +35,7 @@ from trainer.config import TrainerConfig, parse_config
 from trainer.learner import DataParallelGroup, Learner, RLBatch
 from trainer.sampling import DynamicSampler, Group
 from trainer.telemetry import DeviceMonitor, PhaseRecorder
+from trainer.weight_sync import TrainerWeightSync, WeightReceiver, WeightSyncGroup, drain_weights
 
 __all__ = ["PromptStream", "ControllerLoop", "RolloutWorker", "free_address"]
 
@@ -73,10 +77,6 @@ class PromptStream:
         return out
 
 
-def _load_weights(engine: Any, weights: dict[str, torch.Tensor]) -> None:
-    engine.update_weights(list(weights.items()))
-
-
 def _sample_dict(s: Any) -> Any:
     return s  # Sample is a plain dataclass: it travels through Ray as it is
 
@@ -105,11 +105,18 @@ class RolloutWorker:
         return {"samples": samples, "version": self.version, "device_metrics": self.monitor.sample(),
                 "spans": [{"device": self.device, "phase": "rollout", "start": start, "end": end}]}
 
-    def update_weights(self, version: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-        start = time.time()
-        _load_weights(self.engine, weights)
-        self.version = version
-        return {"device": self.device, "phase": "weight_sync", "start": start, "end": time.time()}
+    def open_weight_sync(self, master_addr: str, master_port: int, rank: int, world: int,
+                         backend: str) -> None:
+        """Join the weight broadcast group as receiver `rank` (trainer.weight_sync)."""
+        self.weights_in = WeightReceiver(WeightSyncGroup(master_addr, master_port, rank, world,
+                                                         backend=backend))
+
+    def receive_weights(self) -> dict[str, Any]:
+        """Take the next broadcast of the policy into the engine, bucket by bucket as it arrives;
+        afterwards this worker samples with that policy version. Returns its span."""
+        stats = self.weights_in.receive(self.engine.update_weights)
+        self.version = stats.version
+        return {"device": self.device, "phase": "weight_sync", "start": stats.start, "end": stats.end}
 
     def close(self) -> None:
         self.engine.close()
@@ -144,7 +151,8 @@ class ControllerLoop:
         self.monitor = DeviceMonitor(device, device_type=device_type, cores=cores)
         self._device_metrics: dict[str, float] = {}
         self._remote_spans: list[dict[str, Any]] = []
-        self._sync_refs: list[Any] = []
+        self.weight_sync = TrainerWeightSync(
+            device=device, bucket_bytes=int(self.cfg.rollout.weight_sync_bucket_mb * 2**20))
 
     # ------------------------------------------------------------------ the driver's view
     def _emit(self, record: dict[str, Any]) -> None:
@@ -155,6 +163,12 @@ class ControllerLoop:
         with self._lock:
             out, self._records = self._records, []
         return out
+
+    def open_weight_broadcast(self, master_addr: str, master_port: int, receivers: list[Any],
+                              backend: str) -> None:
+        """Make this controller the source of the weight broadcast to `receivers` (every rollout
+        worker of the run, whichever controller they sample for): one copy per step for all."""
+        self.weight_sync.open_broadcast(master_addr, master_port, receivers, backend=backend)
 
     def _event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self._emit({"type": "event", "kind": kind, "message": message, "data": data or {}})
@@ -210,6 +224,7 @@ class ControllerLoop:
             from trainer.rollout import make_engine
 
             self.engine = make_engine(cfg, model_dir, threads=threads, seed=cfg.seed + 101 * self.device)
+        self.weight_sync.engine = self.engine
         if resume is not None and mine is not None:
             ckpt.set_rng_state(mine["rng"])  # last: building an engine reseeds torch
 
@@ -285,39 +300,28 @@ class ControllerLoop:
         self._drawn.extend(groups)
         return groups
 
-    def _push_weights(self, version: int) -> None:
-        import ray
+    def _push_weights(self, version: int) -> dict[str, float]:
+        """The new policy to the samplers (trainer.weight_sync); returns `weight_sync/*`."""
+        streams: list[Iterator[tuple[str, torch.Tensor]]] = []
 
-        if self.engine is None and not self.rollout_workers:
-            return
-        with self.recorder.span("weight_sync"):
-            if self.engine is not None and not self.rollout_workers:
-                if hasattr(self.engine, "wake"):
-                    self.engine.wake()
-                # streamed: one (gathered, when sharded) tensor at a time, no whole copy
-                stream = self.learner.iter_named_weights()
-                self.engine.update_weights(stream)
-                for _ in stream:  # sharded: every gather must run on every rank, used or not
-                    pass
-                return
-            weights = self.learner.named_weights()
-            if self.engine is not None:
-                if hasattr(self.engine, "wake"):
-                    self.engine.wake()
-                _load_weights(self.engine, weights)
-            if self.rollout_workers:
-                ref = ray.put(weights)  # one copy in the object store, read by every worker
-                self._sync_refs.extend(w.update_weights.remote(version, ref)
-                                       for _d, w in self.rollout_workers)
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            # streamed: one (gathered, when sharded) tensor at a time, never a whole copy
+            streams.append(self.learner.iter_named_weights())
+            return streams[-1]
+
+        metrics: dict[str, float] = {}
+        if self.weight_sync.has_destination:
+            metrics, spans = self.weight_sync.push(version, weights)
+            self.recorder.extend(spans)
+        elif self.learner.sharded:
+            weights()
+        for stream in streams:  # sharded: every rank runs every gather, whether it sends or not
+            drain_weights(stream)
+        return metrics
 
     def _gather_sync_spans(self) -> None:
         """Weight-sync spans of the workers that have finished loading (never blocks)."""
-        import ray
-
-        if not self._sync_refs:
-            return
-        done, self._sync_refs = ray.wait(self._sync_refs, num_returns=len(self._sync_refs), timeout=0)
-        self._remote_spans.extend(ray.get(done))
+        self._remote_spans.extend(self.weight_sync.receiver_spans())
 
     # ------------------------------------------------------------------ phases
     def _warm_start(self) -> None:
@@ -458,7 +462,7 @@ class ControllerLoop:
                     self.engine.sleep()  # colocated: free the KV cache while the policy trains
                 with self.recorder.span("train"):
                     metrics.update(self.learner.rl_step(batch, recorder=self.recorder))
-                self._push_weights(step)
+                metrics.update(self._push_weights(step))
                 # rewards and lengths describe everything sampled this step (dropped groups too)
                 drawn = [s for g in self._drawn for s in g.samples]
                 rewards = [r for g in self._drawn for r in g.rewards]

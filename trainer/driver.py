@@ -36,7 +36,7 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One step's metrics from every controller, combined as a reader of one run expects.
 
     Throughput and token counts add up across ranks; phase times take the slowest rank (the
-    step waits for it); group counts add up; everything else (rewards, losses, device metrics
+    step waits for it); group counts and weight bytes moved add up; everything else (rewards, losses, device metrics
     of distinct devices) is the mean over the ranks that report it.
     """
     keys: dict[str, list[float]] = defaultdict(list)
@@ -45,7 +45,8 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
             keys[k].append(v)
     out = {}
     for k, vs in keys.items():
-        if k.startswith(("throughput/", "tokens/")) or k.endswith("_groups") or k == "reward/failed_batches":
+        if (k.startswith(("throughput/", "tokens/")) or k.endswith("_groups")
+                or k in ("reward/failed_batches", "weight_sync/bytes", "weight_sync/buckets")):
             out[k] = sum(vs)
         elif k.startswith("time/") or k == "sampling/staleness":
             out[k] = max(vs)
@@ -75,6 +76,10 @@ def _remote_classes() -> tuple[Any, Any]:
 
         def drain(self) -> list[dict[str, Any]]:
             return self.loop.drain()
+
+        def open_weight_broadcast(self, master_addr: str, master_port: int, receivers: list[Any],
+                                  backend: str) -> None:
+            self.loop.open_weight_broadcast(master_addr, master_port, receivers, backend)
 
     # one call at a time, in submission order: a weight update never races a generate
     RolloutActor = ray.remote(RolloutWorker)
@@ -124,7 +129,7 @@ class Driver:
             raise
         plan = placement.plan
         self.reporter.log_event("placement", f"{plan.mode} on {plan.devices} {plan.device_type} "
-                                f"devices, {len(plan.train_devices)} controller(s)", plan.to_event())
+                                f"devices, {len(plan.train_devices)} controller(s)", placement.to_event())
         for w in placement.warnings:
             self.reporter.log_event("warning", w, {})
         resume = ckpt.latest_checkpoint(self.run_dir)
@@ -197,6 +202,11 @@ class Driver:
         except ray.exceptions.RayActorError as exc:
             # placed on a node that died before Ray noticed: a restart like any other, not the end
             raise _ControllerDied(0, f"{type(exc).__name__}: {_short(exc)}") from None
+        if self.rollout_workers:  # controller 0 broadcasts each new policy to every worker
+            from trainer.weight_sync import connect_broadcast
+
+            connect_broadcast(self.controllers[0], self.rollout_workers, avoid_port=port,
+                              backend="nccl" if plan.device_type == "gpu" else "gloo")
         self._runs = {c.run.remote(addr, port): r for r, c in enumerate(self.controllers)}
 
     def _stop_gang(self) -> None:

@@ -830,16 +830,17 @@ class Learner:
         return out
 
     def iter_named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The policy's weights by HF name, on CPU, one tensor at a time: what a sampler loads.
+        """The policy's weights by HF name, one tensor at a time, where they live (no host copy):
+        what a sampler loads, in place or through trainer.weight_sync's broadcast.
 
         Sharded, each tensor is gathered (``full_tensor``, an all-gather) as it is asked for, so
         no whole copy of the model is ever built; every rank must drain the iterator.
         """
         for name, t in self.policy.state_dict().items():
-            yield name, _full(t).detach().to("cpu")
+            yield name, _full(t).detach()
 
     def named_weights(self) -> dict[str, Tensor]:
-        """All of `iter_named_weights` at once (one whole copy on CPU)."""
+        """All of `iter_named_weights` at once (views of the weights; sharded, a gathered copy)."""
         return dict(self.iter_named_weights())
 
     # ------------------------------------------------------------------ colocate

@@ -56,6 +56,7 @@ from typing import Any
 
 from trainer.driver import Driver, _ControllerDied, _short
 from trainer.placement.plan import PlacementPlan
+from trainer.weight_sync import TrainerWeightSync
 
 __all__ = ["SingleControllerDriver", "TrainingRank", "pack_payload", "unpack_payload",
            "split_evenly", "step_overhead"]
@@ -116,7 +117,8 @@ class TrainingRank:
         self.local_sampler = local_sampler
         self.model_dir = model_dir
         self.monitor = DeviceMonitor(device, device_type=device_type, cores=cores)
-        self._sync_refs: list[Any] = []
+        self.weight_sync = TrainerWeightSync(
+            device=device, bucket_bytes=int(self.cfg.rollout.weight_sync_bucket_mb * 2**20))
         torch.set_num_threads(max(1, int(cores)))
 
     def pid(self) -> int:
@@ -126,6 +128,11 @@ class TrainingRank:
         from trainer.controller import free_address
 
         return free_address()
+
+    def open_weight_broadcast(self, master_addr: str, master_port: int, receivers: list[Any],
+                              backend: str) -> None:
+        """Make this rank the source of the weight broadcast to every rollout worker."""
+        self.weight_sync.open_broadcast(master_addr, master_port, receivers, backend=backend)
 
     # ------------------------------------------------------------------ set-up (as a controller)
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
@@ -163,6 +170,7 @@ class TrainingRank:
             from trainer.rollout import make_engine
 
             self.engine = make_engine(cfg, model_dir, threads=threads, seed=cfg.seed + 101 * self.device)
+        self.weight_sync.engine = self.engine
         return record
 
     # ------------------------------------------------------------------ warm start
@@ -214,29 +222,16 @@ class TrainingRank:
         return pack_payload({"metrics": m, "spans": [self._span("train", start)],
                              "device_metrics": self.monitor.sample()})
 
-    def push_weights(self, version: int) -> list[dict[str, Any]]:
-        """New weights into this rank's samplers: in place, or one object-store copy read by each
-        of its rollout workers. Returns the spans of the syncs finished so far."""
-        import ray
-
-        spans = []
-        if self.engine is not None or self.rollout_workers:
-            start = time.time()
-            weights = self.learner.named_weights()
-            if self.engine is not None:
-                if hasattr(self.engine, "wake"):
-                    self.engine.wake()
-                self.engine.update_weights(list(weights.items()))
-            if self.rollout_workers:
-                ref = ray.put(weights)
-                self._sync_refs.extend(w.update_weights.remote(version, ref)
-                                       for _d, w in self.rollout_workers)
-            spans.append(self._span("weight_sync", start))
-        if self._sync_refs:
-            done, self._sync_refs = ray.wait(self._sync_refs, num_returns=len(self._sync_refs),
-                                             timeout=0)
-            spans.extend(ray.get(done))
-        return spans
+    def push_weights(self, version: int) -> dict[str, Any]:
+        """New weights into the samplers (trainer.weight_sync: in place into this rank's own, and
+        from the source rank one broadcast to every rollout worker). Returns this push's
+        `weight_sync/*` metrics and the spans of the syncs finished so far."""
+        metrics: dict[str, float] = {}
+        spans: list[dict[str, Any]] = []
+        if self.weight_sync.has_destination:
+            metrics, spans = self.weight_sync.push(version,
+                                                   lambda: self.learner.named_weights().items())
+        return {"metrics": metrics, "spans": spans + self.weight_sync.receiver_spans()}
 
     def greedy(self, payload: bytes) -> bytes:
         prompts, max_new_tokens = unpack_payload(payload)
@@ -334,6 +329,11 @@ class SingleControllerDriver(Driver):
             for r, d in enumerate(plan.train_devices)
         ]
         self._master = ray.get(self.controllers[0].address.remote(), timeout=600)
+        if self.rollout_workers:  # rank 0 broadcasts each new policy to every worker
+            from trainer.weight_sync import connect_broadcast
+
+            connect_broadcast(self.controllers[0], self.rollout_workers, avoid_port=self._master[1],
+                              backend="nccl" if plan.device_type == "gpu" else "gloo")
 
     def _watch(self) -> list[dict[str, Any]]:
         try:
@@ -452,7 +452,7 @@ class SingleControllerDriver(Driver):
                 samples_n = len(drawn_samples)
             for res in train_results:
                 self._log.spans.extend(res["spans"])
-            self._push_weights(step)
+            metrics.update(self._push_weights(step))
             metrics.update(self._combine_train(train_results))
             if drawn_samples:
                 metrics.update(_sample_metrics(drawn_samples, rewards_all))
@@ -542,13 +542,18 @@ class SingleControllerDriver(Driver):
         return groups
 
     # ------------------------------------------------------------------ other phases
-    def _push_weights(self, version: int) -> None:
+    def _push_weights(self, version: int) -> dict[str, float]:
+        """Every rank pushes to its samplers; returns the step's `weight_sync/*`."""
         import ray
 
-        for spans in ray.get([c.push_weights.remote(version) for c in self.controllers]):
-            self._bytes_in += len(pack_payload(spans))
+        from trainer.driver import combine_rank_metrics
+
+        pushed = ray.get([c.push_weights.remote(version) for c in self.controllers])
+        for out in pushed:
+            self._bytes_in += len(pack_payload(out))
             if hasattr(self, "_log"):
-                self._log.spans.extend(spans)
+                self._log.spans.extend(out["spans"])
+        return combine_rank_metrics([out["metrics"] for out in pushed])
 
     def _warm_start(self) -> None:
         import ray

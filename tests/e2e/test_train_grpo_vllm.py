@@ -4,6 +4,7 @@ reporting to a real HTTP server as the dispatcher's job would."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.e2e import trainer_helpers as helpers
 from tests.e2e.trainer_helpers import read_events, read_metrics, read_summary, tiny_config
@@ -81,3 +82,30 @@ def test_grpo_with_vllm_on_two_parallel_controllers(ray_head, nano_model, tmp_pa
     tok = AutoTokenizer.from_pretrained(tmp_path / "final")
     out = model.generate(**tok(["3+4="], return_tensors="pt"), max_new_tokens=2, do_sample=False)
     assert out.shape[1] >= 5
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_disaggregated_moves_weights_by_bucketed_broadcast(ray_head, nano_model, tmp_path):
+    """The rollout pool's vLLM engine gets each new policy by a gloo broadcast in several
+    buckets (trainer/weight_sync.py), and the run trains."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(nano_model, rollout={"engine": "vllm", "weight_sync_bucket_mb": 0.25},
+                      placement={"mode": "disaggregated", "devices": 2, "staleness": 1},
+                      algorithm={"name": "grpo", "kl_coef": 0.01,
+                                 "warm_start": {"steps": 10, "batch_size": 16, "lr": 3e-3}})
+    summary = run_training(cfg, tmp_path, env={})
+    assert summary["steps"] == 3 and summary["restarts"] == 0
+    initial = AutoModelForCausalLM.from_pretrained(nano_model).state_dict()
+    policy_bytes = sum(t.numel() * t.element_size() for t in initial.values())
+    steps = [m for m in read_metrics(tmp_path) if m["step"] > 0]
+    for m in steps:
+        assert m["weight_sync/bytes"] == policy_bytes  # one copy of the policy per step
+        assert m["weight_sync/buckets"] >= 3 and m["weight_sync/receivers"] == 1
+        assert m["time/weight_sync"] > 0
+    assert any(m["grad_norm"] > 0 for m in steps)  # an RL update happened, not only the warm start
+    assert max(m["sampling/staleness"] for m in steps) == 1  # sampled by the previous version
+    spans = [s for e in read_events(tmp_path) if e["kind"] == "phase_spans" for s in e["data"]["spans"]]
+    assert {s["device"] for s in spans if s["phase"] == "weight_sync"} == {0, 1}  # both ends
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
+    assert any(not torch.equal(final[k], initial[k]) for k in initial)  # it trained

@@ -30,6 +30,9 @@ def test_disaggregated_overlaps_rollout_with_training(ray_head, nano_model, tmp_
     staleness = [m["sampling/staleness"] for m in read_metrics(tmp_path) if m["step"] > 0]
     assert max(staleness) == 1
     assert any(s["phase"] == "weight_sync" and s["device"] == 0 for s in spans)
+    # each step's policy went out once, by broadcast, to the one rollout worker
+    steps = [m for m in read_metrics(tmp_path) if m["step"] > 0]
+    assert all(m["weight_sync/bytes"] > 0 and m["weight_sync/receivers"] == 1 for m in steps)
 
 
 @pytest.mark.slow

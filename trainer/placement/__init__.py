@@ -26,6 +26,15 @@ class Placement:
     group: Any  # ray.util.placement_group.PlacementGroup
     device_resource: str | None
     warnings: list[str] = field(default_factory=list)
+    # the Ray node of each device when the cluster has several (trainer/placement/nodes.py)
+    nodes: list[str] | None = None
+
+    def to_event(self) -> dict[str, Any]:
+        """The plan, and on a multi-node cluster the node of each device."""
+        data = self.plan.to_event()
+        if self.nodes is not None:
+            data["nodes"] = self.nodes
+        return data
 
     def actor_options(self, device: int, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Options for `ActorClass.options(...)` that pin an actor to `device`."""
@@ -89,11 +98,32 @@ def build_placement(cfg: TrainerConfig, *, timeout_s: float = 120.0) -> Placemen
             raise ConfigError([("placement.devices", f"{plan.devices} devices × {c:g} CPUs need "
                                 f"{plan.devices * c:g} CPUs, the Ray cluster has "
                                 f"{resources.get('CPU', 0.0):g}")])
-    group = placement_group(bundles, strategy="PACK", name="")
+    nodes = _device_nodes(plan, device_type, device_resource)
+    if nodes is not None:
+        from ray.util.placement_group import NODE_ID_LABEL_KEY
+
+        group = placement_group(bundles, strategy="PACK", name="",
+                                bundle_label_selector=[{NODE_ID_LABEL_KEY: n} for n in nodes])
+    else:
+        group = placement_group(bundles, strategy="PACK", name="")
     try:
         ray.get(group.ready(), timeout=timeout_s)
     except Exception as exc:
         ray.util.remove_placement_group(group)
         raise RuntimeError(f"could not reserve {plan.devices} devices within {timeout_s:.0f}s "
                            f"(bundles {bundles}): {exc}") from exc
-    return Placement(plan=plan, group=group, device_resource=device_resource, warnings=warnings)
+    return Placement(plan=plan, group=group, device_resource=device_resource, warnings=warnings,
+                     nodes=nodes)
+
+
+def _device_nodes(plan: PlacementPlan, device_type: str, device_resource: str | None) -> list[str] | None:
+    """Node per device on a cluster of several nodes (trainer/placement/nodes.py), else None."""
+    import ray
+
+    from trainer.placement.nodes import device_nodes
+
+    key = "GPU" if device_type == "gpu" else device_resource
+    if key is None:
+        return None
+    capacity = {n["NodeID"]: int(n["Resources"].get(key, 0)) for n in ray.nodes() if n["Alive"]}
+    return device_nodes(plan, capacity)

@@ -1,8 +1,8 @@
 """disaggregated: a rollout pool generates while a training pool trains.
 
 Rollout of step t+1 is dispatched before step t trains, so the two overlap; a rollout may lag the
-policy by at most `placement.staleness` versions (0: no overlap). After each update the trainers
-broadcast the new weights to the rollout workers they feed from."""
+policy by at most `placement.staleness` versions (0: no overlap). After each update training
+rank 0 broadcasts the new weights to every rollout worker (trainer/weight_sync.py)."""
 
 from __future__ import annotations
 
