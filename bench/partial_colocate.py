@@ -85,6 +85,7 @@ def main() -> None:
     rm_path = (ROOT / args.reward_model).resolve()
     rm = _ensure_reward_model(rm_path, args.reward_budget_s)
     sets = [f"train.max_steps={args.steps}", "algorithm.warm_start.steps=0",
+            "algorithm.warm_start.target_accuracy=null",
             "rollout.max_new_tokens=32", "reward.kind=model", f"reward.model_path={rm_path}",
             "placement.reward_devices=1", "checkpoint.every_steps=1000", "eval.size=16", *args.sets]
     runs = {}

@@ -67,11 +67,12 @@ def labelled_pairs(examples: list[Any], rng: random.Random, k: int) -> tuple[lis
 
 def make_reward_model(out_dir: str | Path, *, digits: int = 2, ops: tuple[str, ...] = ("+",),
                       seed: int = 0, time_budget_s: float = 240.0, target: float = 0.97,
-                      batch_size: int = 256, lr: float = 3e-3, hidden: int = 128, layers: int = 4,
-                      aux_weight: float = 1.0, eval_every: int = 50,
+                      batch_size: int = 256, lr: float = 3e-3, hidden: int = 64, layers: int = 2,
+                      aux_weight: float = 1.0, eval_every: int = 50, max_steps: int | None = None,
                       log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Train the classifier and save it at `out_dir`; returns what it reached (also written to
-    `reward_model.json`). Raises FileExistsError if `out_dir` exists.
+    `reward_model.json`). Raises FileExistsError if `out_dir` exists. It stops at `target`, or
+    after `time_budget_s` seconds or `max_steps` steps, whichever comes first.
 
     Besides the verdict on the last token, two throw-away heads read every position from the
     prompt's "=" on: the right answer's next digit, and whether the response so far is a prefix
@@ -149,7 +150,7 @@ def make_reward_model(out_dir: str | Path, *, digits: int = 2, ops: tuple[str, .
         model.train()
         return float(((logits > 0).float() == eval_labels).float().mean())
 
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     step, acc, history = 0, 0.0, []
     bce = torch.nn.BCEWithLogitsLoss()
     ce = torch.nn.CrossEntropyLoss(ignore_index=-100)
@@ -176,16 +177,18 @@ def make_reward_model(out_dir: str | Path, *, digits: int = 2, ops: tuple[str, .
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        over = time.time() - t0 > time_budget_s
+        over = time.time() - t0 > time_budget_s or (max_steps is not None and step >= max_steps)
         if step % eval_every == 0 or over:
             acc = agreement()
             history.append((step, round(time.time() - t0, 1), acc))
-            log(f"reward model step {step} ({time.time() - t0:.0f}s): loss {loss.item():.3f}, "
+            log(f"reward model step {step} ({time.time() - t0:.0f}s, "
+                f"{time.process_time() - cpu0:.0f} CPU s): loss {loss.item():.3f}, "
                 f"held-out agreement {acc:.1%}")
             if acc >= target or over:
                 break
     report = {"held_out_agreement": acc, "held_out_pairs": len(eval_y), "steps": step,
-              "train_time_s": time.time() - t0, "target": target, "history": history,
+              "train_time_s": time.time() - t0, "train_cpu_s": time.process_time() - cpu0,
+              "target": target, "history": history,
               "recipe": {"hidden": hidden, "layers": layers, "batch_size": batch_size, "lr": lr,
                          "aux_weight": aux_weight},
               "task": {"digits": digits, "ops": list(ops), "seed": seed},
