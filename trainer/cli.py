@@ -64,6 +64,9 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option("--seed")] = 0,
         time_budget_s: Annotated[float, typer.Option(
             "--time-budget-s", help="reward: stop training after this long if not yet accurate.")] = 240.0,
+        max_steps: Annotated[int | None, typer.Option(
+            "--max-steps", help="reward: stop after this many training steps (the same model on "
+            "any machine, however busy) unless the time budget ends it first.")] = None,
     ) -> None:
         """Build a small random-init causal LM with a tokenizer trained on the task's text, or
         (`--preset reward`) train a small reward model that agrees with exact match."""
@@ -72,7 +75,7 @@ def register(app: typer.Typer) -> None:
         from trainer.models import PRESETS, make_tiny_model
 
         if preset == "reward":
-            _make_reward_model(out_dir, config, seed, time_budget_s)
+            _make_reward_model(out_dir, config, seed, time_budget_s, max_steps)
             return
         if preset not in PRESETS:
             typer.echo(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}, reward", err=True)
@@ -86,7 +89,8 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"built {preset} model at {path}")
 
 
-def _make_reward_model(out_dir: Path, config: Path | None, seed: int, time_budget_s: float) -> None:
+def _make_reward_model(out_dir: Path, config: Path | None, seed: int, time_budget_s: float,
+                       max_steps: int | None) -> None:
     from trainer.config import TrainerConfig, load_config
     from trainer.rewards.tiny_reward_model import make_reward_model
 
@@ -97,13 +101,13 @@ def _make_reward_model(out_dir: Path, config: Path | None, seed: int, time_budge
     a = cfg.data.arithmetic
     try:
         report = make_reward_model(out_dir, digits=a.digits, ops=tuple(a.ops), seed=seed,
-                                   time_budget_s=time_budget_s, log=typer.echo)
+                                   time_budget_s=time_budget_s, max_steps=max_steps, log=typer.echo)
     except FileExistsError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     agree = report["held_out_agreement"]
     typer.echo(f"built reward model at {out_dir}: agrees with exact match on {agree:.1%} of "
                f"{report['held_out_pairs']} held-out pairs after {report['steps']} steps "
-               f"({report['train_time_s']:.0f}s)")
+               f"({report['train_time_s']:.0f}s, {report['train_cpu_s']:.0f} CPU s)")
     if agree < 0.95:
         typer.echo("warning: below 95% agreement; rerun with a larger --time-budget-s", err=True)

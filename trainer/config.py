@@ -196,6 +196,10 @@ class PlacementConfig(_Group):
         None, ge=1, description="Devices in the rollout pool (disaggregated); default half."
     )
     staleness: int = Field(1, ge=0, description="Max policy versions a rollout may lag.")
+    reward_devices: int = Field(
+        1, ge=1, description="partial_colocate: devices that also host a reward scorer, which "
+        "scores finished samples while every device still generates."
+    )
     cpus_per_device: float = Field(1.0, gt=0)
     device_memory_gb: float | None = Field(
         None, gt=0, description="Memory of one device, for the check before launch; default: "
@@ -206,6 +210,8 @@ class PlacementConfig(_Group):
     def _split_fits(self) -> PlacementConfig:
         if self.rollout_devices is not None and self.rollout_devices >= self.devices:
             raise ValueError("placement.rollout_devices must be less than placement.devices")
+        if self.reward_devices > self.devices:
+            raise ValueError("placement.reward_devices must be at most placement.devices")
         return self
 
 

@@ -11,6 +11,8 @@ disaggregated mode the rollout of the next step is dispatched before this step t
 (`placement.staleness` steps ahead at most), so generation and training overlap. New weights
 go out through trainer/weight_sync.py: in place into the colocated sampler; from controller 0,
 one bucketed broadcast to every rollout worker of the run.
+In partial_colocate mode the controller does not score: it streams chunks of finished samples
+to the reward scorers on the scoring devices while its sampler still decodes the rest.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ from trainer.telemetry import DeviceMonitor, PhaseRecorder
 from trainer.weight_sync import TrainerWeightSync, WeightReceiver, WeightSyncGroup, drain_weights
 
 __all__ = ["PromptStream", "ControllerLoop", "RolloutWorker", "free_address"]
+
+# partial_colocate: a rollout's samples go to the scorers in about this many chunks, so scoring
+# starts after the first eighth of the samples finish and little is left when the last one does.
+STREAM_CHUNKS = 8
+# samples per step (per rank) kept with the step's spans, so a reader can check the rewards
+SCORED_SAMPLES_KEPT = 8
 
 
 def free_address() -> tuple[str, int]:
@@ -137,7 +145,8 @@ class ControllerLoop:
 
     def __init__(self, cfg_json: str, *, rank: int, world: int, device: int, device_type: str,
                  cores: float, run_dir: str, rollout_workers: list[tuple[int, Any]],
-                 local_sampler: bool, model_dir: str):
+                 local_sampler: bool, model_dir: str,
+                 reward_scorers: list[tuple[int, Any]] | None = None):
         self.cfg: TrainerConfig = parse_config(__import__("json").loads(cfg_json))
         self.rank, self.world, self.device = rank, world, device
         self.device_type, self.cores = device_type, cores
@@ -145,6 +154,9 @@ class ControllerLoop:
         self.rollout_workers = rollout_workers
         self.local_sampler = local_sampler
         self.model_dir = model_dir
+        self.reward_scorers = reward_scorers or []  # (device, RewardScorer actor): partial_colocate
+        self._chunks_sent = 0
+        self._stream_stats = {"scoring": 0.0, "overlapped": 0.0, "rollout_scored": 0.0}
         self._records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self.recorder = PhaseRecorder(device)
@@ -192,7 +204,8 @@ class ControllerLoop:
         # every rank must agree on whether to evaluate: the result is all-reduced
         self.can_eval = bool(evals) and all(e.answer is not None for e in evals)
         self.eval_examples = evals[self.rank :: self.world]
-        self.reward_fn = build_reward(cfg)
+        # with scorers the reward model lives on their devices, not in every controller
+        self.reward_fn = None if self.reward_scorers else build_reward(cfg)
         self.stream = PromptStream(self.train_examples, rank=self.rank, world=self.world,
                                    seed=cfg.seed, salt="rl")
         self.sampler = DynamicSampler.from_config(cfg.sampling)
@@ -249,7 +262,9 @@ class ControllerLoop:
 
         groups: list[Group] = []
         samples_by_share: list[tuple[list[Any], list[Any], int]] = []
-        if pending.local:
+        if pending.local and self.reward_scorers:
+            groups.extend(self._generate_and_stream_to_scorers(pending.local, n))
+        elif pending.local:
             assert self.engine is not None
             # colocated on a GPU: the trainer's state leaves the device while the sampler generates
             swap = self.device_type == "gpu" and hasattr(self.engine, "sleep")
@@ -281,6 +296,7 @@ class ControllerLoop:
                                    f"{len(share)} prompts × n={n}")
             with self.recorder.span("reward"):
                 try:
+                    assert self.reward_fn is not None  # remote shares are scored here
                     rewards = self.reward_fn([s.prompt for s in samples],
                                              [s.response_text for s in samples],
                                              [e.answer for e in share for _ in range(n)])
@@ -293,6 +309,74 @@ class ControllerLoop:
                 groups.append(Group(e, samples[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n],
                                     {"staleness": lag}))
         return groups
+
+    def _generate_and_stream_to_scorers(self, share: list[Any], n: int) -> list[Group]:
+        """partial_colocate: generate `share` × n samples and send each chunk of finished ones to
+        a scorer at once (round-robin over the scorers), so scoring runs during generation; then
+        wait for the scores still out. Records the rollout, the scorers' spans and the wait."""
+        import ray
+
+        from trainer.rewards.base import checked
+
+        assert self.engine is not None
+        total = len(share) * n
+        chunk = max(1, math.ceil(total / STREAM_CHUNKS))
+        answers = [e.answer for e in share for _ in range(n)]
+        samples: list[Any] = [None] * total
+        ready: list[int] = []
+        calls: list[tuple[list[int], Any]] = []
+
+        def send_ready() -> None:
+            nonlocal ready
+            if not ready:
+                return
+            _dev, scorer = self.reward_scorers[(self.rank + self._chunks_sent) % len(self.reward_scorers)]
+            self._chunks_sent += 1
+            calls.append((ready, scorer.score.remote([samples[i].prompt for i in ready],
+                                                     [samples[i].response_text for i in ready],
+                                                     [answers[i] for i in ready])))
+            ready = []
+
+        if hasattr(self.engine, "wake"):
+            self.engine.wake()
+        start = time.time()
+        for finished in self.engine.generate_stream([e.prompt for e in share], n):
+            for i, sample in finished:
+                samples[i] = sample
+                ready.append(i)
+            if len(ready) >= chunk:
+                send_ready()
+        generated = time.time()
+        send_ready()
+        self.recorder.add("rollout", start, generated)
+        if any(s is None for s in samples):
+            raise RuntimeError(f"sampler streamed {sum(s is not None for s in samples)} samples for "
+                               f"{len(share)} prompts × n={n}")
+        rewards = [0.0] * total
+        failure: Exception | None = None
+        for indices, ref in calls:
+            try:
+                out = ray.get(ref)
+                scores = checked(out["scores"], len(indices), "reward scorer")
+            except Exception as exc:  # a failed scorer marks the step, it does not kill it
+                failure = exc
+                continue
+            for i, score in zip(indices, scores, strict=True):
+                rewards[i] = score
+            span = out["span"]
+            self._remote_spans.append(span)
+            self._stream_stats["scoring"] += span["end"] - span["start"]
+            self._stream_stats["overlapped"] += max(0.0, min(span["end"], generated) - span["start"])
+        scored = time.time()
+        self.recorder.add("reward_wait", generated, scored)
+        self._stream_stats["rollout_scored"] += scored - start
+        if failure is not None:
+            self._event("warning", f"reward failed on {len(share)} prompts: {failure}",
+                        {"step": self.state["step"] + 1})
+            self._reward_failures += 1
+            return []
+        return [Group(e, samples[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n], {"staleness": 0})
+                for i, e in enumerate(share)]
 
     def _draw(self, k: int) -> list[Group]:
         n = self.cfg.rollout.n
@@ -482,6 +566,9 @@ class ControllerLoop:
                             sum(s.finish_reason == "length" for s in drawn) / len(drawn),
                     })
                 metrics["reward/failed_batches"] = float(self._reward_failures)
+                scored_samples = [{"prompt": s.prompt, "response": s.response_text, "reward": r}
+                                  for g in self._drawn for s, r in zip(g.samples, g.rewards, strict=True)]
+                self._scored_samples = scored_samples[:SCORED_SAMPLES_KEPT]
                 metrics["sampling/staleness"] = float(self._staleness)
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps:
                 acc = self._evaluate(f"step_{step}")
@@ -493,7 +580,8 @@ class ControllerLoop:
             self.state["step"] = step
             spans = self.recorder.take()
             self._emit({"type": "metrics", "step": step, "metrics": metrics,
-                        "spans": [s.to_dict() for s in spans]})
+                        "spans": [s.to_dict() for s in spans],
+                        "scored_samples": getattr(self, "_scored_samples", [])})
             last = step == cfg.train.max_steps
             if step % cfg.checkpoint.every_steps == 0 or last:
                 self._checkpoint(step, {k: v for k, v in metrics.items() if k.startswith("reward/")})
@@ -520,9 +608,19 @@ class ControllerLoop:
         for phase in ("rollout", "rollout_wait", "reward", "reference", "train", "weight_sync",
                       "eval", "checkpoint"):
             out[f"time/{phase}"] = mine.get(phase, 0.0)
+        if self.reward_scorers:  # partial_colocate: scoring ran on the scorers' devices
+            stats = self._stream_stats
+            out["time/reward"] = stats["scoring"]  # scorer time for this rank's samples
+            out["time/reward_wait"] = mine.get("reward_wait", 0.0)  # scoring left after generation
+            out["time/rollout_scored"] = stats["rollout_scored"]
+            out["placement/scoring_overlap_frac"] = (stats["overlapped"] / stats["scoring"]
+                                                     if stats["scoring"] else 0.0)
+            self._stream_stats = dict.fromkeys(stats, 0.0)
+        else:  # generation, then scoring, in turn
+            out["time/rollout_scored"] = mine.get("rollout", 0.0) + mine.get("reward", 0.0)
         out["time/reference"] = mine.get("reference", 0.0)
         out["time/train"] = max(0.0, out["time/train"] - out["time/reference"])  # nested span
-        busy = sum(v for k, v in mine.items() if k not in ("reference", "rollout_wait"))
+        busy = sum(v for k, v in mine.items() if k not in ("reference", "rollout_wait", "reward_wait"))
         out["time/idle"] = max(0.0, wall - busy)
         rollout_time = max(mine.get("rollout", 0.0),
                            sum(s.end - s.start for s in spans
@@ -537,7 +635,7 @@ class ControllerLoop:
         out["tokens/trained"] = float(trained_tokens)
         dm = self.monitor.sample()
         dm[f"device/{self.device}/busy_frac"] = PhaseRecorder.busy_fraction(
-            [s for s in spans if s.phase != "rollout_wait"], self.device, t0, t1)
+            [s for s in spans if s.phase not in ("rollout_wait", "reward_wait")], self.device, t0, t1)
         # A rollout worker's spans arrive a step late (prefetched while this step trained), so
         # its busy fraction is its busy time per step of this controller, not a clipped window.
         for d in {s.device for s in spans if s.device != self.device}:

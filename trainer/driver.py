@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 
 from trainer.config import TrainerConfig
+from trainer.placement.partial_colocate import SCORER_SHARE
 from trainer.telemetry import Reporter
 
 __all__ = ["Driver", "RunFailed", "combine_rank_metrics"]
@@ -99,6 +100,7 @@ class Driver:
         self.on_message = on_message or (lambda msg: None)
         self.controllers: list[Any] = []
         self.rollout_workers: list[Any] = []
+        self.reward_scorers: list[Any] = []
         self.restarts = 0
         self.resumed_from: list[int] = []
         self._pending: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
@@ -188,13 +190,16 @@ class Driver:
             workers[d] = RolloutActor.options(**placement.actor_options(d, env)).remote(
                 cfg_json, d, model_dir, plan.device_type, plan.cpus_per_device)
         self.rollout_workers = list(workers.values())
+        scorers = self._start_scorers(placement, cfg_json, env)
         world = len(plan.train_devices)
         self.controllers = [
-            ControllerActor.options(**placement.actor_options(d, env)).remote(
+            ControllerActor.options(**placement.actor_options(
+                d, env, share=(1 - SCORER_SHARE) if d in scorers else 1.0)).remote(
                 cfg_json=cfg_json, rank=r, world=world, device=d, device_type=plan.device_type,
                 cores=plan.cpus_per_device, run_dir=str(self.run_dir),
                 rollout_workers=[(w, workers[w]) for w in plan.rollout_assignment[r]],
-                local_sampler=d in plan.local_sampler_devices, model_dir=model_dir)
+                local_sampler=d in plan.local_sampler_devices, model_dir=model_dir,
+                reward_scorers=list(scorers.items()))
             for r, d in enumerate(plan.train_devices)
         ]
         try:
@@ -209,15 +214,29 @@ class Driver:
                               backend="nccl" if plan.device_type == "gpu" else "gloo")
         self._runs = {c.run.remote(addr, port): r for r, c in enumerate(self.controllers)}
 
+    def _start_scorers(self, placement: Any, cfg_json: str, env: dict[str, str]) -> dict[int, Any]:
+        """partial_colocate: one reward scorer per scoring device, beside that device's controller."""
+        import ray
+
+        from trainer.rewards.scorer import RewardScorer
+
+        plan = placement.plan
+        ScorerActor = ray.remote(RewardScorer)  # one call at a time: its mailbox is the queue
+        scorers = {d: ScorerActor.options(**placement.actor_options(d, env, share=SCORER_SHARE)).remote(
+                       cfg_json, d, plan.cpus_per_device)
+                   for d in plan.reward_devices}
+        self.reward_scorers = list(scorers.values())
+        return scorers
+
     def _stop_gang(self) -> None:
         import ray
 
-        for handle in self.controllers + self.rollout_workers:
+        for handle in self.controllers + self.rollout_workers + self.reward_scorers:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:
                 pass
-        self.controllers, self.rollout_workers = [], []
+        self.controllers, self.rollout_workers, self.reward_scorers = [], [], []
 
     def _watch(self) -> list[dict[str, Any]]:
         import ray
@@ -311,7 +330,10 @@ class Driver:
         self.reporter.log_metrics(step, metrics)
         spans = [s for r in per_rank.values() for s in r.get("spans", [])]
         if spans:
-            self.reporter.log_event("phase_spans", f"step {step}", {"step": step, "spans": spans})
+            # a few scored samples ride along, so a reader can check what the reward said
+            scored = [s for r in per_rank.values() for s in r.get("scored_samples", [])]
+            self.reporter.log_event("phase_spans", f"step {step}",
+                                    {"step": step, "spans": spans, "scored_samples": scored})
         if self.on_step is not None and step > 0:
             self.on_step(step, metrics, self)
 

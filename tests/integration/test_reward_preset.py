@@ -26,9 +26,10 @@ def test_corruptions_are_always_wrong_answers():
 @pytest.mark.slow
 def test_reward_preset_trains_a_classifier_that_agrees_with_exact_match(tmp_path):
     out = tmp_path / "rm"
-    # a short budget keeps CI lean; the figure reached is in reward_model.json and the output
+    # A step budget, not a time budget: the same classifier however busy the machine is (300
+    # steps are about 30 CPU seconds); the full preset's figure is in docs/placement.md.
     r = CliRunner().invoke(app, ["make-tiny-model", str(out), "--preset", "reward",
-                                 "--time-budget-s", "120"])
+                                 "--max-steps", "300", "--time-budget-s", "900"])
     assert r.exit_code == 0, r.output
     report = json.loads((out / "reward_model.json").read_text())
     reward = build_reward(parse_config({"reward": {"kind": "model", "model_path": str(out)}}))
@@ -38,7 +39,8 @@ def test_reward_preset_trains_a_classifier_that_agrees_with_exact_match(tmp_path
     scores = reward(prompts, responses, [None] * len(prompts))
     agree = sum((s > 0) == (y > 0.5) for s, y in zip(scores, labels, strict=True)) / len(labels)
     assert agree == pytest.approx(report["held_out_agreement"], abs=0.08)
-    assert agree > 0.6  # chance is 0.5 (balanced labels); 95% needs minutes more here (docs)
+    assert report["steps"] == 300
+    assert agree > 0.8  # chance is 0.5 (balanced labels); 300 steps reach about 0.85-0.9
     right = [s for s, y in zip(scores, labels, strict=True) if y > 0.5]
     wrong = [s for s, y in zip(scores, labels, strict=True) if y < 0.5]
     assert sum(right) / len(right) > sum(wrong) / len(wrong)

@@ -49,11 +49,31 @@ def test_single_controller_uses_the_same_devices_and_ranks_as_parallel(placement
                          "train": {"batch_size": 6}}).data_parallel_size == len(single.train_devices)
 
 
-@pytest.mark.parametrize("mode", ["partial_colocate", "auto"])
-def test_later_modes_say_they_are_not_implemented_yet(mode):
+def test_auto_says_it_is_not_implemented_yet():
     with pytest.raises(ConfigError, match="not implemented yet") as info:
-        plan(placement={"mode": mode})
+        plan(placement={"mode": "auto"})
     assert info.value.errors[0][0] == "placement.mode"
+
+
+def test_partial_colocate_generates_and_trains_everywhere_and_scores_on_a_subset():
+    p = plan(placement={"mode": "partial_colocate", "devices": 4, "reward_devices": 2},
+             train={"batch_size": 8})
+    assert p.train_devices == [0, 1, 2, 3] and p.local_sampler_devices == [0, 1, 2, 3]
+    assert p.reward_devices == [0, 1] and p.rollout_devices == [] and not p.overlap
+    assert p.to_event()["reward_devices"] == [0, 1]
+    default = plan(placement={"mode": "partial_colocate", "devices": 2})
+    assert default.reward_devices == [0]  # one scoring device unless told otherwise
+    assert parse_config({"placement": {"mode": "partial_colocate", "devices": 4},
+                         "train": {"batch_size": 8}}).data_parallel_size == 4
+
+
+def test_partial_colocate_refuses_more_scorers_than_devices_and_the_single_controller():
+    with pytest.raises(ConfigError) as info:
+        parse_config({"placement": {"mode": "partial_colocate", "devices": 2, "reward_devices": 3}})
+    assert "reward_devices" in str(info.value)
+    with pytest.raises(ConfigError) as single:
+        plan(placement={"mode": "partial_colocate", "devices": 2}, controller={"mode": "single"})
+    assert single.value.errors[0][0] == "controller.mode"
 
 
 def test_rank_metrics_combine_sums_maxes_and_means():

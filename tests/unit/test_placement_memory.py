@@ -43,6 +43,30 @@ def test_estimate_puts_each_role_on_its_devices():
     assert colo.parts["kv_cache"] == 1.0 * GiB
 
 
+def test_partial_colocate_counts_the_reward_model_on_its_scoring_devices_only(tmp_path):
+    import json
+
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text(json.dumps({"hidden_size": 256, "num_hidden_layers": 4,
+                                                "num_attention_heads": 8, "intermediate_size": 1024,
+                                                "vocab_size": 1000}))
+    def cfg(mode):
+        c = _cfg(mode=mode, device_memory_gb=8).model_dump()
+        c["reward"] = {"kind": "model", "model_path": str(rm)}
+        return parse_config(c)
+
+    part, colo = estimate_memory(cfg("partial_colocate")), estimate_memory(cfg("colocate"))
+    assert part is not None and colo is not None
+    assert set(part.devices) == {"train+rollout", "train+rollout+reward"}
+    scoring, plain = part.devices["train+rollout+reward"], part.devices["train+rollout"]
+    assert "reward_model" not in plain and scoring["reward_model"] == colo.parts["reward_model"] > 0
+    # the scorer is a process of its own beside the controller on its device
+    assert sum(scoring.values()) == pytest.approx(sum(plain.values()) + scoring["reward_model"]
+                                                  + scoring["scorer_runtime"])
+    assert part.peak_bytes == sum(scoring.values()) > colo.peak_bytes
+
+
 def test_a_placement_that_cannot_fit_is_refused_naming_what_would_fit():
     with pytest.raises(ConfigError) as err:
         check_memory(_cfg(mode="colocate", device_memory_gb=3, kv=4))

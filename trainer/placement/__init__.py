@@ -36,20 +36,22 @@ class Placement:
             data["nodes"] = self.nodes
         return data
 
-    def actor_options(self, device: int, env: dict[str, str] | None = None) -> dict[str, Any]:
-        """Options for `ActorClass.options(...)` that pin an actor to `device`."""
+    def actor_options(self, device: int, env: dict[str, str] | None = None, *,
+                      share: float = 1.0) -> dict[str, Any]:
+        """Options for `ActorClass.options(...)` that pin an actor to `device`, reserving `share`
+        of it (two actors that share a device, a controller and a reward scorer, take half each)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         opts: dict[str, Any] = {
-            "num_cpus": self.plan.cpus_per_device,
+            "num_cpus": self.plan.cpus_per_device * share,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self.group, placement_group_bundle_index=device),
             "runtime_env": {"env_vars": {**self.device_env(), **(env or {})}},
         }
         if self.plan.device_type == "gpu":
-            opts["num_gpus"] = 1
+            opts["num_gpus"] = share
         elif self.device_resource:
-            opts["resources"] = {self.device_resource: 1}
+            opts["resources"] = {self.device_resource: share}
         return opts
 
     def device_env(self) -> dict[str, str]:

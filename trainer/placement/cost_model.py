@@ -496,7 +496,9 @@ class OnlineFit:
         shape = model_shape(cfg)
         if shape is None:
             return None
-        return cls(Layout(p.mode, p.devices, rollout_devices=p.rollout_devices, staleness=p.staleness),
+        return cls(Layout(p.mode, p.devices, rollout_devices=p.rollout_devices,
+                          reward_devices=p.reward_devices if p.mode == "partial_colocate" else None,
+                          staleness=p.staleness),
                    param_bytes=shape.params * DTYPE_BYTES[cfg.model.dtype])
 
     def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:

@@ -216,7 +216,15 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
     if mode == "disaggregated":
         devices["train"] = {**runtime, **train}
         devices["rollout"] = {**runtime, **sampler}
-    else:  # colocate, partial_colocate, auto (as colocate: the plan that holds the most)
+    elif mode == "partial_colocate":
+        # the reward model lives only on the scoring devices, in a scorer process of its own
+        reward_model = train.pop("reward_model", 0.0)
+        devices["train+rollout"] = {**runtime, **train, **sampler}
+        if cfg.placement.reward_devices:
+            devices["train+rollout+reward"] = {**runtime, **train, **sampler,
+                                               "scorer_runtime": runtime["runtime"],
+                                               "reward_model": reward_model}
+    else:  # colocate, auto (as colocate: the plan that holds the most)
         devices["train+rollout"] = {**runtime, **train, **sampler}
         if cfg.controller.mode == "single" and cfg.placement.devices > 1:
             devices["rollout"] = {**runtime, **sampler}

@@ -1,5 +1,5 @@
 """Placement plans: which device runs which role. Pure functions, no Ray: easy to test and to
-extend (`partial_colocate` and `auto` add plans of their own)."""
+extend (`auto` will add plans of its own)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ class PlacementPlan:
     `train_devices[r]` is the device of data-parallel controller r. A controller whose device is
     also listed in `local_sampler_devices` holds its own sampler in-process (colocated: it sleeps
     while the policy trains); `rollout_devices` host remote rollout workers, and
-    `rollout_assignment[r]` names the ones controller r sends its prompts to.
+    `rollout_assignment[r]` names the ones controller r sends its prompts to. `reward_devices`
+    also host a reward scorer beside their controller (partial_colocate): the device's second
+    actor, which scores the samples every controller streams to it while they still generate.
     """
 
     mode: str
@@ -31,6 +33,7 @@ class PlacementPlan:
     rollout_assignment: list[list[int]]
     overlap: bool = False
     staleness: int = 0
+    reward_devices: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_event(self) -> dict[str, Any]:
@@ -50,14 +53,18 @@ def plan_placement(cfg: TrainerConfig, *, device_type: str) -> PlacementPlan:
     """The placement for `cfg` on `cfg.placement.devices` devices of `device_type`."""
     p = cfg.placement
     single = cfg.controller.mode == "single"
-    if p.mode in ("partial_colocate", "auto"):
+    if p.mode == "auto":
         raise ConfigError([("placement.mode", f"'{p.mode}' is not implemented yet; "
-                            "use 'colocate' or 'disaggregated'")])
+                            "use 'colocate', 'disaggregated' or 'partial_colocate'")])
     devices = list(range(p.devices))
     if p.mode == "colocate":
         from trainer.placement.colocate import plan_colocate
 
         return plan_colocate(cfg, devices, device_type, single)
+    if p.mode == "partial_colocate":
+        from trainer.placement.partial_colocate import plan_partial_colocate
+
+        return plan_partial_colocate(cfg, devices, device_type, single)
     if p.mode == "disaggregated":
         from trainer.placement.disaggregated import plan_disaggregated
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -34,6 +34,11 @@ class RolloutEngine(Protocol):
     """Generates responses; ``generate`` returns ``n`` consecutive samples per prompt, in order."""
 
     def generate(self, prompts: list[str], n: int) -> list[Sample]: ...
+
+    def generate_stream(self, prompts: list[str], n: int) -> Iterator[list[tuple[int, Sample]]]:
+        """``generate``'s samples as they finish: batches of (index in ``generate``'s order,
+        sample), so a consumer can start on the first ones while the rest still decode."""
+        ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new policy weights (HF parameter names) in place, without touching disk."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -110,11 +110,14 @@ class HFEngine:
         return samples
 
     def generate(self, prompts: list[str], n: int) -> list[Sample]:
+        return [s for chunk in self.generate_stream(prompts, n) for _i, s in chunk]
+
+    def generate_stream(self, prompts: list[str], n: int) -> Iterator[list[tuple[int, Sample]]]:
+        """``generate``'s samples, one ``generate`` call's worth at a time, with their indices."""
         per_call = max(1, self.chunk_size // n)
-        samples: list[Sample] = []
         for i in range(0, len(prompts), per_call):
-            samples += self._generate_chunk(prompts[i : i + per_call], n)
-        return samples
+            samples = self._generate_chunk(prompts[i : i + per_call], n)
+            yield list(enumerate(samples, start=i * n))
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

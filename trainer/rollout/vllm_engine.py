@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -43,6 +43,19 @@ def _repack_cpu_gemm_weights(worker) -> int:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             repacked += 1
     return repacked
+
+
+def _sample(prompt: str, out, completion) -> Sample:  # (vllm RequestOutput, CompletionOutput)
+    ids = list(completion.token_ids)
+    logprobs = [step[tok].logprob for tok, step in zip(ids, completion.logprobs or [], strict=True)]
+    return Sample(
+        prompt=prompt,
+        prompt_ids=list(out.prompt_token_ids or []),
+        response_ids=ids,
+        response_text=completion.text,
+        logprobs=logprobs,
+        finish_reason="length" if completion.finish_reason == "length" else "stop",
+    )
 
 
 class VLLMEngine:
@@ -95,11 +108,11 @@ class VLLMEngine:
         """Whether ``sleep`` frees memory (GPU) or is a no-op (vLLM's CPU backend)."""
         return self.on_gpu
 
-    def generate(self, prompts: list[str], n: int) -> list[Sample]:
+    def _params(self, n: int):  # -> vllm.SamplingParams
         from vllm import SamplingParams
 
         r = self.rollout
-        params = SamplingParams(
+        return SamplingParams(
             n=n,
             temperature=r.temperature,
             top_p=r.top_p,
@@ -108,24 +121,37 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's log-prob only
             skip_special_tokens=True,
         )
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+
+    def generate(self, prompts: list[str], n: int) -> list[Sample]:
+        outputs = self.llm.generate(prompts, self._params(n), use_tqdm=False)
         samples = []
         for prompt, out in zip(prompts, outputs, strict=True):
-            prompt_ids = list(out.prompt_token_ids or [])
             for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                logprobs = [step[tok].logprob for tok, step in zip(ids, c.logprobs or [], strict=True)]
-                samples.append(
-                    Sample(
-                        prompt=prompt,
-                        prompt_ids=prompt_ids,
-                        response_ids=ids,
-                        response_text=c.text,
-                        logprobs=logprobs,
-                        finish_reason="length" if c.finish_reason == "length" else "stop",
-                    )
-                )
+                samples.append(_sample(prompt, out, c))
         return samples
+
+    def generate_stream(self, prompts: list[str], n: int) -> Iterator[list[tuple[int, Sample]]]:
+        """The same samples as ``generate``, handed out as they finish: after each engine step,
+        the (index, sample) pairs that finished in it (index ``i * n + j``: prompt i's j-th).
+
+        Each sample is its own request (n=1), so a short response is out as soon as it ends
+        instead of waiting for its prompt's longest sibling."""
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("generate_stream needs an idle engine")
+        expanded = [p for p in prompts for _ in range(n)]
+        request_ids = self.llm.enqueue(expanded, self._params(1), use_tqdm=False)
+        # enqueue answers the engine's internal ids ("<id>-<random>"); outputs carry "<id>"
+        index = {str(rid): i for i, rid in enumerate(request_ids)}
+        index.update({str(rid).rsplit("-", 1)[0]: i for i, rid in enumerate(request_ids)})
+        while engine.has_unfinished_requests():
+            finished = []
+            for out in engine.step():
+                if out.finished:
+                    i = index[str(out.request_id)]
+                    finished.append((i, _sample(expanded[i], out, out.outputs[0])))
+            if finished:
+                yield finished
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = ((name, t.detach()) for name, t in named_tensors)
