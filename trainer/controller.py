@@ -30,6 +30,7 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer.config import TrainerConfig, parse_config
 from trainer.learner import DataParallelGroup, Learner, RLBatch
+from trainer.rollout.decode_delay import apply_decode_delay
 from trainer.sampling import DynamicSampler, Group
 from trainer.telemetry import DeviceMonitor, PhaseRecorder
 
@@ -101,6 +102,7 @@ class RolloutWorker:
     def generate(self, prompts: list[str], n: int) -> dict[str, Any]:
         start = time.time()
         samples = self.engine.generate(prompts, n)
+        apply_decode_delay(self.version + 1, samples)  # YATT_SLOW_DECODE; a no-op unless set
         end = time.time()
         return {"samples": samples, "version": self.version, "device_metrics": self.monitor.sample(),
                 "spans": [{"device": self.device, "phase": "rollout", "start": start, "end": end}]}
@@ -130,7 +132,7 @@ class ControllerLoop:
 
     def __init__(self, cfg_json: str, *, rank: int, world: int, device: int, device_type: str,
                  cores: float, run_dir: str, rollout_workers: list[tuple[int, Any]],
-                 local_sampler: bool, model_dir: str):
+                 local_sampler: bool, model_dir: str, stoppable: bool = False):
         self.cfg: TrainerConfig = parse_config(__import__("json").loads(cfg_json))
         self.rank, self.world, self.device = rank, world, device
         self.device_type, self.cores = device_type, cores
@@ -145,6 +147,9 @@ class ControllerLoop:
         self._device_metrics: dict[str, float] = {}
         self._remote_spans: list[dict[str, Any]] = []
         self._sync_refs: list[Any] = []
+        # placement.mode=auto: the driver may ask the gang to stop at a step boundary and re-plan
+        self.stoppable = stoppable
+        self._stop_requested = threading.Event()
 
     # ------------------------------------------------------------------ the driver's view
     def _emit(self, record: dict[str, Any]) -> None:
@@ -155,6 +160,16 @@ class ControllerLoop:
         with self._lock:
             out, self._records = self._records, []
         return out
+
+    def request_stop(self) -> None:
+        """Stop after a checkpoint at the next step boundary all ranks agree on (see `_agree_to_stop`)."""
+        self._stop_requested.set()
+
+    def _agree_to_stop(self) -> bool:
+        # the request reaches ranks at different moments: every rank shares its flag each step so
+        # that all of them stop after the same step
+        flag = 1.0 if self._stop_requested.is_set() else 0.0
+        return self.learner.all_reduce_sum([flag])[0] > 0
 
     def _event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self._emit({"type": "event", "kind": kind, "message": message, "data": data or {}})
@@ -235,8 +250,9 @@ class ControllerLoop:
             with self.recorder.span("rollout"):
                 if hasattr(self.engine, "wake"):
                     self.engine.wake()
-                samples_by_share.append((pending.local,
-                                         self.engine.generate([e.prompt for e in pending.local], n), 0))
+                local_samples = self.engine.generate([e.prompt for e in pending.local], n)
+                apply_decode_delay(self.state["step"] + 1, local_samples)  # YATT_SLOW_DECODE
+                samples_by_share.append((pending.local, local_samples, 0))
         for ref, share in zip(pending.refs, pending.shares, strict=True):
             if ref is None:
                 continue
@@ -467,8 +483,17 @@ class ControllerLoop:
             self._emit({"type": "metrics", "step": step, "metrics": metrics,
                         "spans": [s.to_dict() for s in spans]})
             last = step == cfg.train.max_steps
-            if step % cfg.checkpoint.every_steps == 0 or last:
+            scheduled = step % cfg.checkpoint.every_steps == 0 or last
+            if scheduled:
                 self._checkpoint(step, {k: v for k, v in metrics.items() if k.startswith("reward/")})
+            if self.stoppable and not last and self._agree_to_stop():
+                # re-plan: the next gang resumes from this step's checkpoint (prefetched prompts
+                # are not trained yet, so the checkpoint's stream position puts them back)
+                if not scheduled:
+                    self._checkpoint(step, {k: v for k, v in metrics.items() if k.startswith("reward/")})
+                if self.engine is not None:
+                    self.engine.close()
+                return {"rank": self.rank, "step": step, "eval": self.state["eval"], "stopped": True}
         self._evaluate("end")
         if self.rank == 0 and cfg.checkpoint.export_final:
             ckpt.export_final(self.run_dir / "final", policy=self.learner.policy,

@@ -49,7 +49,7 @@ def test_single_controller_uses_the_same_devices_and_ranks_as_parallel(placement
                          "train": {"batch_size": 6}}).data_parallel_size == len(single.train_devices)
 
 
-@pytest.mark.parametrize("mode", ["partial_colocate", "auto"])
+@pytest.mark.parametrize("mode", ["partial_colocate"])
 def test_later_modes_say_they_are_not_implemented_yet(mode):
     with pytest.raises(ConfigError, match="not implemented yet") as info:
         plan(placement={"mode": mode})

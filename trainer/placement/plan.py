@@ -50,9 +50,19 @@ def plan_placement(cfg: TrainerConfig, *, device_type: str) -> PlacementPlan:
     """The placement for `cfg` on `cfg.placement.devices` devices of `device_type`."""
     p = cfg.placement
     single = cfg.controller.mode == "single"
-    if p.mode in ("partial_colocate", "auto"):
+    if p.mode == "auto":
+        if single:
+            raise ConfigError([("placement.mode", "'auto' re-plans the parallel controllers; "
+                                "use controller.mode=parallel")])
+        from trainer.placement.auto import layout_config, starting_layout
+
+        plan = plan_placement(layout_config(cfg, starting_layout(cfg)), device_type=device_type)
+        plan.notes.append("auto: starts here, profiles, then moves to the plan with the least "
+                          "predicted step time")
+        return plan
+    if p.mode == "partial_colocate":
         raise ConfigError([("placement.mode", f"'{p.mode}' is not implemented yet; "
-                            "use 'colocate' or 'disaggregated'")])
+                            "use 'colocate', 'disaggregated' or 'auto'")])
     devices = list(range(p.devices))
     if p.mode == "colocate":
         from trainer.placement.colocate import plan_colocate
