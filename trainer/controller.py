@@ -34,7 +34,7 @@ from trainer.rollout.decode_delay import apply_decode_delay
 from trainer.sampling import DynamicSampler, Group
 from trainer.telemetry import DeviceMonitor, PhaseRecorder
 
-__all__ = ["PromptStream", "ControllerLoop", "RolloutWorker", "free_address"]
+__all__ = ["PromptStream", "PromptShards", "ControllerLoop", "RolloutWorker", "free_address"]
 
 
 def free_address() -> tuple[str, int]:
@@ -72,6 +72,41 @@ class PromptStream:
             out.append(self.shard[self._order_for(epoch)[i]])
             self.position += 1
         return out
+
+
+class PromptShards:
+    """The training prompts cut into `shards` fixed streams (one per device); rank r of `world`
+    reads shards r, r + world, … and takes from its least-advanced one first.
+
+    A shard's position does not depend on which rank reads it, so a gang of another world size
+    (placement.mode=auto moving roles) continues every shard exactly where the last gang stopped:
+    no prompt is skipped or trained twice. With `shards == world` it is PromptStream.
+    """
+
+    def __init__(self, examples: list[Any], *, rank: int, world: int, shards: int, seed: int,
+                 salt: str = ""):
+        if shards < world:
+            raise ValueError(f"{shards} prompt shards cannot feed {world} ranks")
+        self.parts = {v: PromptStream(examples, rank=v, world=shards, seed=seed, salt=salt)
+                      for v in range(rank, shards, world)}
+
+    def take(self, k: int) -> list[Any]:
+        out = []
+        for _ in range(k):
+            v = min(self.parts, key=lambda v: (self.parts[v].position, v))
+            out += self.parts[v].take(1)
+        return out
+
+    @property
+    def position(self) -> int:
+        return sum(p.position for p in self.parts.values())
+
+    def positions(self) -> dict[int, int]:
+        return {v: p.position for v, p in self.parts.items()}
+
+    def load_positions(self, positions: dict[int, int]) -> None:
+        for v, part in self.parts.items():
+            part.position = int(positions.get(v, part.position))
 
 
 def _load_weights(engine: Any, weights: dict[str, torch.Tensor]) -> None:
@@ -124,6 +159,7 @@ class _Pending:
     refs: list[Any]
     shares: list[list[Any]]
     version: int
+    stream_before: Any = None  # the prompt stream's state before these prompts were taken
 
 
 class ControllerLoop:
@@ -132,7 +168,8 @@ class ControllerLoop:
 
     def __init__(self, cfg_json: str, *, rank: int, world: int, device: int, device_type: str,
                  cores: float, run_dir: str, rollout_workers: list[tuple[int, Any]],
-                 local_sampler: bool, model_dir: str, stoppable: bool = False):
+                 local_sampler: bool, model_dir: str, stoppable: bool = False,
+                 prompt_shards: int = 0):
         self.cfg: TrainerConfig = parse_config(__import__("json").loads(cfg_json))
         self.rank, self.world, self.device = rank, world, device
         self.device_type, self.cores = device_type, cores
@@ -149,6 +186,7 @@ class ControllerLoop:
         self._sync_refs: list[Any] = []
         # placement.mode=auto: the driver may ask the gang to stop at a step boundary and re-plan
         self.stoppable = stoppable
+        self.prompt_shards = prompt_shards  # > 0: PromptShards, whose positions survive a new world size
         self._stop_requested = threading.Event()
 
     # ------------------------------------------------------------------ the driver's view
@@ -194,8 +232,11 @@ class ControllerLoop:
         self.can_eval = bool(evals) and all(e.answer is not None for e in evals)
         self.eval_examples = evals[self.rank :: self.world]
         self.reward_fn = build_reward(cfg)
-        self.stream = PromptStream(self.train_examples, rank=self.rank, world=self.world,
-                                   seed=cfg.seed, salt="rl")
+        self.stream: PromptStream | PromptShards = (
+            PromptShards(self.train_examples, rank=self.rank, world=self.world,
+                         shards=self.prompt_shards, seed=cfg.seed, salt="rl")
+            if self.prompt_shards else
+            PromptStream(self.train_examples, rank=self.rank, world=self.world, seed=cfg.seed, salt="rl"))
         self.sampler = DynamicSampler.from_config(cfg.sampling)
         self.state: dict[str, Any] = {"step": 0, "eval": {}, "warm_start_done": False}
 
@@ -210,8 +251,17 @@ class ControllerLoop:
                              critic=lr.critic, critic_opt=lr.critic_opt, reference=lr.reference)
             self.state = ckpt.read_trainer_state(resume)
             mine = ckpt.load_rank(resume, self.rank)
-            if mine is not None:
+            if isinstance(self.stream, PromptShards):
+                # the last gang may have had another world size: every rank's shards, merged
+                positions: dict[int, int] = {}
+                for r in range(self.prompt_shards):
+                    saved = ckpt.load_rank(resume, r)
+                    if saved is not None:
+                        positions.update(saved.get("positions", {}))
+                self.stream.load_positions(positions)
+            elif mine is not None:
                 self.stream.position = mine["position"]
+            if mine is not None:
                 self.sampler.load_state_dict(mine["sampling"])
             self._event("restart" if self.rank == 0 else "resume",
                         f"resumed from checkpoint at step {self.state['step']}",
@@ -374,10 +424,13 @@ class ControllerLoop:
             if self.group is not None:
                 self.group.barrier()  # rank 0 created the directory
             # prompts prefetched for later steps are not trained yet: a resume takes them again
-            untrained = sum(len(p.prompts) for p in getattr(self, "_prefetch", ()))
-            ckpt.save_rank(path, self.rank, {"position": self.stream.position - untrained,
-                                             "sampling": self.sampler.state_dict(),
-                                             "rng": ckpt.rng_state()})
+            prefetch = getattr(self, "_prefetch", None)
+            stream = prefetch[0].stream_before if prefetch else self._stream_state()
+            state = {"position": sum(stream.values()) if isinstance(stream, dict) else stream,
+                     "sampling": self.sampler.state_dict(), "rng": ckpt.rng_state()}
+            if isinstance(stream, dict):
+                state["positions"] = stream
+            ckpt.save_rank(path, self.rank, state)
             if self.group is not None:
                 self.group.barrier()
             if self.rank == 0:
@@ -437,7 +490,9 @@ class ControllerLoop:
                 metrics.update(smetrics)
                 if overlap:  # start the next rollouts now: they run while this step trains
                     while len(prefetch) < cfg.placement.staleness and step + len(prefetch) < cfg.train.max_steps:
+                        before = self._stream_state()
                         prefetch.append(self._submit(self.stream.take(self.sampler.request_size(need)), n))
+                        prefetch[-1].stream_before = before
                 samples = [s for g in groups for s in g.samples]
                 rewards = [r for g in groups for r in g.rewards]
                 batch = RLBatch(prompt_ids=[list(s.prompt_ids) for s in samples],
@@ -501,6 +556,10 @@ class ControllerLoop:
         if self.engine is not None:
             self.engine.close()
         return {"rank": self.rank, "step": self.state["step"], "eval": self.state["eval"]}
+
+    def _stream_state(self) -> int | dict[int, int]:
+        s = self.stream
+        return s.positions() if isinstance(s, PromptShards) else s.position
 
     def _step_metrics(self, step: int, t0: float, t1: float, gen_tokens: int, samples_n: int,
                       trained_tokens: float) -> dict[str, float]:

@@ -214,7 +214,9 @@ class Driver:
                 cores=plan.cpus_per_device, run_dir=str(self.run_dir),
                 rollout_workers=[(w, workers[w]) for w in plan.rollout_assignment[r]],
                 local_sampler=d in plan.local_sampler_devices, model_dir=model_dir,
-                stoppable=self._planner is not None)
+                stoppable=self._planner is not None,
+                # auto: one prompt shard per device, so any world size continues every shard
+                prompt_shards=plan.devices if self._planner is not None else 0)
             for r, d in enumerate(plan.train_devices)
         ]
         addr, port = ray.get(self.controllers[0].address.remote(), timeout=600)

@@ -11,7 +11,9 @@ plan, resume). Phases of a run:
    the same way), so the profile then visits the best-predicted other layout for as many steps.
 2. initial choice: the cost model fitted to both layouts predicts every candidate's step time on
    the measured workload; the run moves to the best one that fits in memory when the gain clears
-   `placement.replan_min_gain` and repays the switch over the remaining steps.
+   `placement.replan_min_gain` (and at least `placement.replan_every` steps remain). Events carry
+   the last measured switch cost and what the remaining steps would save, for the reader: on a
+   loaded 2-core machine a switch costs minutes, which a short run never earns back.
 3. re-plan: every `placement.replan_every` steps the measured phase times of the current plan are
    compared with the prediction of the last decision. When they drift by more than
    `placement.replan_drift` (of the step time), the model is refitted on the recent steps and the
@@ -322,10 +324,9 @@ class AutoPlanner:
                       f"{cur_s:.3f}: gain {gain:.1%} below placement.replan_min_gain "
                       f"{self.min_gain:.0%}")
             chosen = self.layout
-        elif repaid <= self.switch_cost_s:
-            reason = (f"{layout_label(best['layout'])} predicted {gain:.1%} faster, but "
-                      f"{remaining} remaining steps save {repaid:.1f} s, less than a switch "
-                      f"({self.switch_cost_s:.1f} s)")
+        elif remaining < self.replan_every:
+            reason = (f"{layout_label(best['layout'])} predicted {gain:.1%} faster, but only "
+                      f"{remaining} steps remain (fewer than placement.replan_every)")
             chosen = self.layout
         else:
             reason = (f"{layout_label(best['layout'])} predicted {best_s:.3f} s/step vs "
@@ -337,17 +338,19 @@ class AutoPlanner:
             kind = "kept"
         return self._decide(kind, step, chosen, preds, reason, predicted=next(
             p["predicted_step_s"] for p in preds if p["layout"] == chosen),
-            drift=drift, measured=measured, gain=gain)
+            drift=drift, measured=measured, gain=gain,
+            switch_cost={"switch_cost_s": self.switch_cost_s, "saved_s": repaid})
 
     def _decide(self, kind: str, step: int, chosen: Layout, preds: list[dict[str, Any]], reason: str,
                 *, predicted: float | None = None, drift: float | None = None,
-                measured: float | None = None, gain: float | None = None) -> Decision:
+                measured: float | None = None, gain: float | None = None,
+                switch_cost: dict[str, float] | None = None) -> Decision:
         if predicted is None:
             predicted = next((p["predicted_step_s"] for p in preds if p["layout"] == chosen), None)
         d = Decision(kind, step, self.layout, chosen, reason,
                      predictions=[_prediction_event(p) for p in preds],
                      predicted_step_s=predicted, measured_step_s=measured, drift=drift,
-                     extra={"gain": gain} if gain is not None else {})
+                     extra={**({"gain": gain} if gain is not None else {}), **(switch_cost or {})})
         times = {p["layout"]: p["phases"] for p in preds}
         self.anchor = times.get(chosen, self.anchor)
         self.anchor_step = step
