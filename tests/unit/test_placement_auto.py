@@ -159,3 +159,21 @@ def test_prompt_shards_continue_across_a_change_of_world_size():
 
     assert PromptShards(examples, rank=1, world=2, shards=2, seed=3).take(7) == \
         PromptStream(examples, rank=1, world=2, seed=3).take(7)
+
+
+def test_a_switch_that_measures_slower_is_reverted_once():
+    # the planner is told disaggregated got faster, but measuring it shows the opposite
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 40)
+    assert layouts[40] == COLOCATE
+    planner._decide("replan", 40, DISAGG, [], "test: a wrong prediction", predicted=0.1)
+    planner.switched(DISAGG, 40)
+    rng = random.Random(1)
+    after = []
+    for step in range(41, 80):
+        after += planner.observe(step, measured(TRUE, planner.layout, rng), now=0.0)
+        if planner.pending is not None:
+            planner.switched(planner.pending, step)
+    reverts = [d for d in after if d.kind == "replan" and d.switch]
+    assert len(reverts) == 1 and reverts[0].chosen == COLOCATE and "switching back" in reverts[0].reason
+    assert planner.layout == COLOCATE

@@ -306,6 +306,7 @@ class AutoPlanner:
                                     f"slower than {left[1]:.3f} s/step of {layout_label(back)} "
                                     "before the switch: switching back",
                                     predicted=left[1], measured=measured))
+            self._left = None  # a revert is not itself reverted: no ping-pong on noisy steps
         return out
 
     # ------------------------------------------------------------------ choosing
