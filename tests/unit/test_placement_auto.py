@@ -177,3 +177,18 @@ def test_a_switch_that_measures_slower_is_reverted_once():
     reverts = [d for d in after if d.kind == "replan" and d.switch]
     assert len(reverts) == 1 and reverts[0].chosen == COLOCATE and "switching back" in reverts[0].reason
     assert planner.layout == COLOCATE
+
+
+def test_slow_decode_spec_per_step_per_token_and_shifting_twice():
+    from types import SimpleNamespace
+
+    from trainer.rollout.decode_delay import decode_delay_s
+
+    samples = [SimpleNamespace(response_ids=[1] * n) for n in (2, 5, 3)]
+    assert decode_delay_s(9, samples, "10:0.5") == 0.0
+    assert decode_delay_s(10, samples, "10:0.5") == 2.5  # the longest response: 5 decode steps
+    assert decode_delay_s(10, samples, "10:0.5:token") == 5.0  # 10 generated tokens
+    assert decode_delay_s(25, samples, "10:0.5:token,20:0.1") == pytest.approx(0.5)  # the later one
+    assert decode_delay_s(10, samples, "") == 0.0
+    with pytest.raises(ValueError, match="YATT_SLOW_DECODE"):
+        decode_delay_s(10, samples, "10:fast")
