@@ -252,10 +252,12 @@ class ControllerLoop:
             self.state = ckpt.read_trainer_state(resume)
             mine = ckpt.load_rank(resume, self.rank)
             if isinstance(self.stream, PromptShards):
-                # the last gang may have had another world size: every rank's shards, merged
+                # the last gang may have had another world size: its ranks' shards, merged (only
+                # its ranks: a file left in the directory by a gang of another size is stale)
                 positions: dict[int, int] = {}
-                for r in range(self.prompt_shards):
-                    saved = ckpt.load_rank(resume, r)
+                first = ckpt.load_rank(resume, 0)
+                for r in range(int((first or {}).get("world", self.prompt_shards))):
+                    saved = first if r == 0 else ckpt.load_rank(resume, r)
                     if saved is not None:
                         positions.update(saved.get("positions", {}))
                 self.stream.load_positions(positions)
@@ -429,7 +431,7 @@ class ControllerLoop:
             state = {"position": sum(stream.values()) if isinstance(stream, dict) else stream,
                      "sampling": self.sampler.state_dict(), "rng": ckpt.rng_state()}
             if isinstance(stream, dict):
-                state["positions"] = stream
+                state["positions"], state["world"] = stream, self.world
             ckpt.save_rank(path, self.rank, state)
             if self.group is not None:
                 self.group.barrier()
