@@ -250,6 +250,22 @@ def phase_spans(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return spans
 
 
+def placement_switches(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Placement changes applied during a run (`placement.mode: auto`): for each, the first step
+    the new plan ran (`step`) and its name (`plan`), from the `placement` events whose
+    `decision` is `applied`."""
+    out: list[dict[str, Any]] = []
+    for event in events:
+        data = event.get("data") or {}
+        if event.get("kind") != "placement" or data.get("decision") != "applied":
+            continue
+        try:
+            out.append({"step": int(data["step"]) + 1, "plan": str(data.get("plan") or "")})
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
 def _phase_color(phase: str, extra: dict[str, str]) -> str:
     if phase in PHASE_COLORS:
         return PHASE_COLORS[phase]
@@ -264,11 +280,13 @@ def gantt_figure(
     last_steps: int | None = None,
     height: int | None = None,
     title: str = "Phase timeline",
+    switches: Sequence[Mapping[str, Any]] = (),
 ) -> go.Figure:
     """Per-device phase timeline: one row per device, one bar per span, gaps are idle time.
 
     The x axis is seconds since the first span shown; `last_steps` keeps only the newest steps
-    so a long run stays readable (and cheap to draw).
+    so a long run stays readable (and cheap to draw). Each of `switches` (`placement_switches`)
+    whose first step is shown is marked by a dashed line where that step starts.
     """
     shown = list(spans)
     if last_steps is not None and shown:
@@ -303,6 +321,12 @@ def gantt_figure(
                 ),
             )
         )
+    for switch in switches:
+        starts = [s["start"] for s in shown if s["step"] == switch["step"]]
+        if starts:
+            fig.add_vline(x=min(starts) - t0, line_dash="dash", line_color="#444444",
+                          annotation_text=f"placement → {switch['plan']}",
+                          annotation_position="top left")
     rows = [f"device {d}" for d in devices]
     _style(fig, title, x_title="seconds since the first span shown", y_title="",
            height=height or max(180, 70 + 44 * len(devices)), unified=False)

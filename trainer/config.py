@@ -205,6 +205,22 @@ class PlacementConfig(_Group):
         None, gt=0, description="Memory of one device, for the check before launch; default: "
         "the GPU's memory, or on CPU the host's RAM divided by the devices."
     )
+    profile_steps: int = Field(
+        4, ge=2, description="auto: measured steps per layout while profiling (after 2 warm-up "
+        "steps) before the first choice."
+    )
+    replan_every: int = Field(
+        10, ge=2, description="auto: steps between checks of the measured phase times against "
+        "the prediction."
+    )
+    replan_drift: float = Field(
+        0.2, gt=0, description="auto: relative gap between measured and predicted phase times "
+        "that makes a check refit the cost model and compare the plans again."
+    )
+    replan_min_gain: float = Field(
+        0.1, ge=0, lt=1, description="auto: predicted step-time gain a new plan must clear "
+        "(and repay its switch cost over the remaining steps) before the run switches to it."
+    )
 
     @model_validator(mode="after")
     def _split_fits(self) -> PlacementConfig:

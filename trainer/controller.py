@@ -35,11 +35,12 @@ import torch
 from trainer import checkpoint as ckpt
 from trainer.config import TrainerConfig, parse_config
 from trainer.learner import DataParallelGroup, Learner, RLBatch
+from trainer.rollout.decode_delay import apply_decode_delay
 from trainer.sampling import DynamicSampler, Group
 from trainer.telemetry import DeviceMonitor, PhaseRecorder
 from trainer.weight_sync import TrainerWeightSync, WeightReceiver, WeightSyncGroup, drain_weights
 
-__all__ = ["PromptStream", "ControllerLoop", "RolloutWorker", "free_address"]
+__all__ = ["PromptStream", "PromptShards", "ControllerLoop", "RolloutWorker", "free_address"]
 
 # partial_colocate: a rollout's samples go to the scorers in about this many chunks, so scoring
 # starts after the first eighth of the samples finish and little is left when the last one does.
@@ -85,6 +86,41 @@ class PromptStream:
         return out
 
 
+class PromptShards:
+    """The training prompts cut into `shards` fixed streams (one per device); rank r of `world`
+    reads shards r, r + world, … and takes from its least-advanced one first.
+
+    A shard's position does not depend on which rank reads it, so a gang of another world size
+    (placement.mode=auto moving roles) continues every shard exactly where the last gang stopped:
+    no prompt is skipped or trained twice. With `shards == world` it is PromptStream.
+    """
+
+    def __init__(self, examples: list[Any], *, rank: int, world: int, shards: int, seed: int,
+                 salt: str = ""):
+        if shards < world:
+            raise ValueError(f"{shards} prompt shards cannot feed {world} ranks")
+        self.parts = {v: PromptStream(examples, rank=v, world=shards, seed=seed, salt=salt)
+                      for v in range(rank, shards, world)}
+
+    def take(self, k: int) -> list[Any]:
+        out = []
+        for _ in range(k):
+            v = min(self.parts, key=lambda v: (self.parts[v].position, v))
+            out += self.parts[v].take(1)
+        return out
+
+    @property
+    def position(self) -> int:
+        return sum(p.position for p in self.parts.values())
+
+    def positions(self) -> dict[int, int]:
+        return {v: p.position for v, p in self.parts.items()}
+
+    def load_positions(self, positions: dict[int, int]) -> None:
+        for v, part in self.parts.items():
+            part.position = int(positions.get(v, part.position))
+
+
 def _sample_dict(s: Any) -> Any:
     return s  # Sample is a plain dataclass: it travels through Ray as it is
 
@@ -109,6 +145,7 @@ class RolloutWorker:
     def generate(self, prompts: list[str], n: int) -> dict[str, Any]:
         start = time.time()
         samples = self.engine.generate(prompts, n)
+        apply_decode_delay(self.version + 1, samples)  # YATT_SLOW_DECODE; a no-op unless set
         end = time.time()
         return {"samples": samples, "version": self.version, "device_metrics": self.monitor.sample(),
                 "spans": [{"device": self.device, "phase": "rollout", "start": start, "end": end}]}
@@ -137,6 +174,7 @@ class _Pending:
     refs: list[Any]
     shares: list[list[Any]]
     version: int
+    stream_before: Any = None  # the prompt stream's state before these prompts were taken
 
 
 class ControllerLoop:
@@ -146,7 +184,8 @@ class ControllerLoop:
     def __init__(self, cfg_json: str, *, rank: int, world: int, device: int, device_type: str,
                  cores: float, run_dir: str, rollout_workers: list[tuple[int, Any]],
                  local_sampler: bool, model_dir: str,
-                 reward_scorers: list[tuple[int, Any]] | None = None):
+                 reward_scorers: list[tuple[int, Any]] | None = None, stoppable: bool = False,
+                 prompt_shards: int = 0):
         self.cfg: TrainerConfig = parse_config(__import__("json").loads(cfg_json))
         self.rank, self.world, self.device = rank, world, device
         self.device_type, self.cores = device_type, cores
@@ -165,6 +204,10 @@ class ControllerLoop:
         self._remote_spans: list[dict[str, Any]] = []
         self.weight_sync = TrainerWeightSync(
             device=device, bucket_bytes=int(self.cfg.rollout.weight_sync_bucket_mb * 2**20))
+        # placement.mode=auto: the driver may ask the gang to stop at a step boundary and re-plan
+        self.stoppable = stoppable
+        self.prompt_shards = prompt_shards  # > 0: PromptShards, whose positions survive a new world size
+        self._stop_requested = threading.Event()
 
     # ------------------------------------------------------------------ the driver's view
     def _emit(self, record: dict[str, Any]) -> None:
@@ -181,6 +224,16 @@ class ControllerLoop:
         """Make this controller the source of the weight broadcast to `receivers` (every rollout
         worker of the run, whichever controller they sample for): one copy per step for all."""
         self.weight_sync.open_broadcast(master_addr, master_port, receivers, backend=backend)
+
+    def request_stop(self) -> None:
+        """Stop after a checkpoint at the next step boundary all ranks agree on (see `_agree_to_stop`)."""
+        self._stop_requested.set()
+
+    def _agree_to_stop(self) -> bool:
+        # the request reaches ranks at different moments: every rank shares its flag each step so
+        # that all of them stop after the same step
+        flag = 1.0 if self._stop_requested.is_set() else 0.0
+        return self.learner.all_reduce_sum([flag])[0] > 0
 
     def _event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self._emit({"type": "event", "kind": kind, "message": message, "data": data or {}})
@@ -206,8 +259,11 @@ class ControllerLoop:
         self.eval_examples = evals[self.rank :: self.world]
         # with scorers the reward model lives on their devices, not in every controller
         self.reward_fn = None if self.reward_scorers else build_reward(cfg)
-        self.stream = PromptStream(self.train_examples, rank=self.rank, world=self.world,
-                                   seed=cfg.seed, salt="rl")
+        self.stream: PromptStream | PromptShards = (
+            PromptShards(self.train_examples, rank=self.rank, world=self.world,
+                         shards=self.prompt_shards, seed=cfg.seed, salt="rl")
+            if self.prompt_shards else
+            PromptStream(self.train_examples, rank=self.rank, world=self.world, seed=cfg.seed, salt="rl"))
         self.sampler = DynamicSampler.from_config(cfg.sampling)
         self.state: dict[str, Any] = {"step": 0, "eval": {}, "warm_start_done": False}
 
@@ -226,8 +282,19 @@ class ControllerLoop:
             if lr.sharded:  # each rank's optimizer shards are in its own file
                 assert mine is not None, f"{resume} has no rank{self.rank}.pt: resume with as many ranks"
                 lr.load_optimizer_state_dicts(mine["optimizer_shards"])
-            if mine is not None:
+            if isinstance(self.stream, PromptShards):
+                # the last gang may have had another world size: its ranks' shards, merged (only
+                # its ranks: a file left in the directory by a gang of another size is stale)
+                positions: dict[int, int] = {}
+                first = ckpt.load_rank(resume, 0)
+                for r in range(int((first or {}).get("world", self.prompt_shards))):
+                    saved = first if r == 0 else ckpt.load_rank(resume, r)
+                    if saved is not None:
+                        positions.update(saved.get("positions", {}))
+                self.stream.load_positions(positions)
+            elif mine is not None:
                 self.stream.position = mine["position"]
+            if mine is not None:
                 self.sampler.load_state_dict(mine["sampling"])
             self._event("restart" if self.rank == 0 else "resume",
                         f"resumed from checkpoint at step {self.state['step']}",
@@ -273,8 +340,9 @@ class ControllerLoop:
                     self.learner.release_device()
                 if hasattr(self.engine, "wake"):
                     self.engine.wake()
-                samples_by_share.append((pending.local,
-                                         self.engine.generate([e.prompt for e in pending.local], n), 0))
+                local_samples = self.engine.generate([e.prompt for e in pending.local], n)
+                apply_decode_delay(self.state["step"] + 1, local_samples)  # YATT_SLOW_DECODE
+                samples_by_share.append((pending.local, local_samples, 0))
                 if swap:
                     self.engine.sleep()
                     self.learner.reclaim_device()
@@ -468,12 +536,15 @@ class ControllerLoop:
             if self.group is not None:
                 self.group.barrier()  # rank 0 created the directory
             # prompts prefetched for later steps are not trained yet: a resume takes them again
-            untrained = sum(len(p.prompts) for p in getattr(self, "_prefetch", ()))
-            mine = {"position": self.stream.position - untrained,
-                    "sampling": self.sampler.state_dict(), "rng": ckpt.rng_state()}
-            if lr.sharded:
-                mine["optimizer_shards"] = lr.optimizer_state_dicts()
-            ckpt.save_rank(path, self.rank, mine)
+            prefetch = getattr(self, "_prefetch", None)
+            stream = prefetch[0].stream_before if prefetch else self._stream_state()
+            state = {"position": sum(stream.values()) if isinstance(stream, dict) else stream,
+                     "sampling": self.sampler.state_dict(), "rng": ckpt.rng_state()}
+            if isinstance(stream, dict):
+                state["positions"], state["world"] = stream, self.world
+            if lr.sharded:  # each rank's optimizer shards go in its own file
+                state["optimizer_shards"] = lr.optimizer_state_dicts()
+            ckpt.save_rank(path, self.rank, state)
             if self.group is not None:
                 self.group.barrier()
             if self.rank == 0:
@@ -533,7 +604,9 @@ class ControllerLoop:
                 metrics.update(smetrics)
                 if overlap:  # start the next rollouts now: they run while this step trains
                     while len(prefetch) < cfg.placement.staleness and step + len(prefetch) < cfg.train.max_steps:
+                        before = self._stream_state()
                         prefetch.append(self._submit(self.stream.take(self.sampler.request_size(need)), n))
+                        prefetch[-1].stream_before = before
                 samples = [s for g in groups for s in g.samples]
                 rewards = [r for g in groups for r in g.rewards]
                 batch = RLBatch(prompt_ids=[list(s.prompt_ids) for s in samples],
@@ -583,8 +656,17 @@ class ControllerLoop:
                         "spans": [s.to_dict() for s in spans],
                         "scored_samples": getattr(self, "_scored_samples", [])})
             last = step == cfg.train.max_steps
-            if step % cfg.checkpoint.every_steps == 0 or last:
+            scheduled = step % cfg.checkpoint.every_steps == 0 or last
+            if scheduled:
                 self._checkpoint(step, {k: v for k, v in metrics.items() if k.startswith("reward/")})
+            if self.stoppable and not last and self._agree_to_stop():
+                # re-plan: the next gang resumes from this step's checkpoint (prefetched prompts
+                # are not trained yet, so the checkpoint's stream position puts them back)
+                if not scheduled:
+                    self._checkpoint(step, {k: v for k, v in metrics.items() if k.startswith("reward/")})
+                if self.engine is not None:
+                    self.engine.close()
+                return {"rank": self.rank, "step": step, "eval": self.state["eval"], "stopped": True}
         self._evaluate("end")
         if cfg.checkpoint.export_final:
             final = self.learner.full_state_dicts()["policy"]  # sharded: a collective
@@ -594,6 +676,10 @@ class ControllerLoop:
         if self.engine is not None:
             self.engine.close()
         return {"rank": self.rank, "step": self.state["step"], "eval": self.state["eval"]}
+
+    def _stream_state(self) -> int | dict[int, int]:
+        s = self.stream
+        return s.positions() if isinstance(s, PromptShards) else s.position
 
     def _step_metrics(self, step: int, t0: float, t1: float, gen_tokens: int, samples_n: int,
                       trained_tokens: float) -> dict[str, float]:

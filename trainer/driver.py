@@ -82,6 +82,9 @@ def _remote_classes() -> tuple[Any, Any]:
                                   backend: str) -> None:
             self.loop.open_weight_broadcast(master_addr, master_port, receivers, backend)
 
+        def request_stop(self) -> None:
+            self.loop.request_stop()
+
     # one call at a time, in submission order: a weight update never races a generate
     RolloutActor = ray.remote(RolloutWorker)
     return ControllerActor, RolloutActor
@@ -111,6 +114,8 @@ class Driver:
         self._bytes_in = self._bytes_out = 0
         self._bytes_mark = (0, 0)
         self._cost_fit: Any = None  # the placement cost model, refitted as steps come in
+        self._planner: Any = None  # placement.mode=auto: trainer.placement.auto.AutoPlanner
+        self.replans: list[dict[str, Any]] = []  # switches applied: step, from, to
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
@@ -126,12 +131,20 @@ class Driver:
             model_dir = str(ensure_model(self.cfg).resolve())
             cfg_json = self.cfg.model_dump_json()
             placement = build_placement(self.cfg)
+            if self.cfg.placement.mode == "auto":
+                cfg_json = self._start_auto(model_dir)
         except Exception as exc:
             self._fail(f"{type(exc).__name__}: {exc}")
             raise
         plan = placement.plan
-        self.reporter.log_event("placement", f"{plan.mode} on {plan.devices} {plan.device_type} "
-                                f"devices, {len(plan.train_devices)} controller(s)", placement.to_event())
+        start_data = plan.to_event()
+        if self._planner is not None:
+            start_data.update({"decision": "start", "switch": False, "plan": self._planner_label(),
+                               "candidates": [{"plan": self._planner_label(lay), "fits": fits}
+                                              for lay, fits in self._planner.candidates]})
+        self.reporter.log_event("placement", f"{'auto: profiling in ' if self._planner else ''}"
+                                f"{plan.mode} on {plan.devices} {plan.device_type} "
+                                f"devices, {len(plan.train_devices)} controller(s)", start_data)
         for w in placement.warnings:
             self.reporter.log_event("warning", w, {})
         resume = ckpt.latest_checkpoint(self.run_dir)
@@ -147,7 +160,12 @@ class Driver:
                 try:
                     self._start_gang(placement, ControllerActor, RolloutActor, cfg_json, model_dir)
                     results = self._watch()
-                    break
+                    if not (results and results[0].get("stopped")):
+                        break
+                    # every rank stopped after the same step, checkpointed: re-plan and go on
+                    self._stop_gang()
+                    placement, cfg_json = self._apply_switch(placement, int(results[0]["step"]))
+                    continue
                 except _ControllerDied as died:
                     self._stop_gang()
                     self.restarts += 1
@@ -159,6 +177,8 @@ class Driver:
                     step = int(latest.name.split("_")[1]) if latest else 0
                     self.resumed_from.append(step)
                     self._pending.clear()
+                    if self._planner is not None and self._planner.pending is not None:
+                        placement, cfg_json = self._apply_switch(placement, step)  # asked for before it died
                     msg = (f"controller {died.rank} failed ({died.reason}); restart "
                            f"{self.restarts}/{self.cfg.controller.max_restarts} from "
                            f"{'step ' + str(step) if latest else 'the beginning'}")
@@ -185,6 +205,10 @@ class Driver:
 
         plan = placement.plan
         env = {"YATT_RUN_DIR": str(self.run_dir)}
+        from trainer.rollout.decode_delay import ENV_VAR
+
+        if os.environ.get(ENV_VAR):  # the documented slow-down reaches the actors on any cluster
+            env[ENV_VAR] = os.environ[ENV_VAR]
         workers = {}
         for d in plan.rollout_devices:
             workers[d] = RolloutActor.options(**placement.actor_options(d, env)).remote(
@@ -199,7 +223,10 @@ class Driver:
                 cores=plan.cpus_per_device, run_dir=str(self.run_dir),
                 rollout_workers=[(w, workers[w]) for w in plan.rollout_assignment[r]],
                 local_sampler=d in plan.local_sampler_devices, model_dir=model_dir,
-                reward_scorers=list(scorers.items()))
+                reward_scorers=list(scorers.items()),
+                stoppable=self._planner is not None,
+                # auto: one prompt shard per device, so any world size continues every shard
+                prompt_shards=plan.devices if self._planner is not None else 0)
             for r, d in enumerate(plan.train_devices)
         ]
         try:
@@ -322,6 +349,8 @@ class Driver:
                 self._cost_fit = OnlineFit.for_config(self.cfg) or False
             if self._cost_fit:
                 metrics.update(self._cost_fit.observe(step, metrics))
+            if self._planner is not None:
+                self._plan_step(step, metrics)
         self._bytes_mark = (self._bytes_in, self._bytes_out)
         if step > 0 and not self._started_running:
             self._started_running = True
@@ -336,6 +365,61 @@ class Driver:
                                     {"step": step, "spans": spans, "scored_samples": scored})
         if self.on_step is not None and step > 0:
             self.on_step(step, metrics, self)
+
+    # ------------------------------------------------------------------ placement.mode=auto
+    def _start_auto(self, model_dir: str) -> str:
+        """Set up the planner and the cost model for the plan auto starts in; its config's JSON."""
+        from trainer.placement.auto import AutoPlanner, layout_config
+        from trainer.placement.cost_model import OnlineFit
+
+        planner = AutoPlanner(self.cfg, param_bytes=_param_bytes(self.cfg, model_dir))
+        self._planner = planner
+        self._cost_fit = OnlineFit(planner.layout, param_bytes=planner.param_bytes)
+        return layout_config(self.cfg, planner.layout).model_dump_json()
+
+    def _planner_label(self, layout: Any = None) -> str:
+        from trainer.placement.auto import layout_label
+
+        return layout_label(layout or self._planner.layout)
+
+    def _plan_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Feed the planner one step; log its decisions and ask the gang to stop for a switch."""
+        planner = self._planner
+        metrics["placement/train_devices"] = float(planner.layout.train_pool)
+        metrics["placement/rollout_devices"] = float(planner.layout.rollout_pool)
+        for decision in planner.observe(step, metrics):
+            self.reporter.log_event("placement", decision.message(), decision.to_event())
+            self.on_message(decision.message())
+            if decision.switch:
+                for c in self.controllers:
+                    c.request_stop.remote()
+
+    def _apply_switch(self, placement: Any, step: int) -> tuple[Any, str]:
+        """The placement and controller config of the plan the planner asked for, resuming at `step`."""
+        from dataclasses import replace
+
+        from trainer.placement.auto import layout_config
+        from trainer.placement.plan import plan_placement
+
+        planner = self._planner
+        new = planner.pending
+        if new is None:
+            raise RunFailed(f"the controllers stopped at step {step} but no re-plan was asked for")
+        planner.stopping()
+        cfg = layout_config(self.cfg, new)
+        # the placement group holds one identical bundle per device: only the roles move
+        placement = replace(placement, plan=plan_placement(cfg, device_type=placement.plan.device_type))
+        before = self._planner_label()
+        planner.switched(new, step)
+        self._cost_fit.layout = new
+        self._pending.clear()
+        self.replans.append({"step": step, "from": before, "to": self._planner_label()})
+        msg = f"placement switched from {before} to {self._planner_label()} after step {step}"
+        self.on_message(msg)
+        self.reporter.log_event("placement", msg, {
+            "decision": "applied", "switch": True, "step": step, "resume_step": step,
+            "plan": self._planner_label(), "from": before, **placement.plan.to_event()})
+        return placement, cfg.model_dump_json()
 
     # ------------------------------------------------------------------ the end
     def _summary(self, results: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
@@ -352,6 +436,9 @@ class Driver:
             "rollout_engine": self.cfg.rollout.engine,
             "run_dir": str(self.run_dir),
         }
+        if self._planner is not None:
+            summary["placement_plan"] = self._planner_label()
+            summary["placement_switches"] = self.replans
         for k, v in ev.items():
             summary[f"eval/{k}"] = v
         if steps:
@@ -385,6 +472,16 @@ class _ControllerDied(Exception):
     def __init__(self, rank: int, reason: str):
         super().__init__(reason)
         self.rank, self.reason = rank, reason
+
+
+def _param_bytes(cfg: TrainerConfig, model_dir: str) -> float:
+    """Bytes of the policy's weights: from its shape, else the size of its weight files."""
+    from trainer.placement.memory import DTYPE_BYTES, model_shape
+
+    shape = model_shape(cfg)
+    if shape is not None:
+        return float(shape.params * DTYPE_BYTES[cfg.model.dtype])
+    return float(sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")))
 
 
 def _short(exc: BaseException) -> str:

@@ -13,7 +13,14 @@ import streamlit as st
 import yaml
 
 from dashboard import api, session
-from dashboard.charts import gantt_figure, line_figure, metric_panels, phase_share, phase_spans
+from dashboard.charts import (
+    gantt_figure,
+    line_figure,
+    metric_panels,
+    phase_share,
+    phase_spans,
+    placement_switches,
+)
 from dashboard.live import FetchedWhenChanged, LiveLog, LiveSeries
 from dashboard.tables import (
     CANCELLABLE_STATES,
@@ -191,8 +198,12 @@ def _timeline(log: RunEvents) -> None:
     steps = sorted({s["step"] for s in spans})
     last = st.slider("Steps shown", 1, max(2, min(20, len(steps))), min(3, len(steps)),
                      key="gantt_steps", help="The newest steps; gaps between bars are idle time.")
-    st.plotly_chart(gantt_figure(spans, last_steps=last, title=""), key="gantt",
+    switches = placement_switches(log.text)
+    st.plotly_chart(gantt_figure(spans, last_steps=last, title="", switches=switches), key="gantt",
                     config={"displaylogo": False})
+    if switches:  # placement.mode=auto moved roles: the dashed lines mark where
+        st.caption("Placement changes: " + "; ".join(
+            f"from step {sw['step']}: {sw['plan']}" for sw in switches))
     shown = [s for s in spans if s["step"] in set(steps[-last:])]
     share = pd.DataFrame(phase_share(shown))
     if not share.empty:

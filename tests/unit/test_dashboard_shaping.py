@@ -16,6 +16,7 @@ from dashboard.charts import (
     overlay_figure,
     phase_share,
     phase_spans,
+    placement_switches,
 )
 from dashboard.launch_form import (
     FORM_FIELDS,
@@ -153,6 +154,26 @@ def test_gantt_figure_one_trace_per_phase_relative_seconds_and_last_steps() -> N
     assert {c[0] for c in last_two.data[0].customdata} == {2, 3}
     empty = gantt_figure([])
     assert len(empty.data) == 0
+
+
+def test_gantt_marks_where_an_auto_placement_switch_starts() -> None:
+    spans = phase_spans([_spans_event([
+        {"device": 0, "phase": "train", "start": 100.0 + 10 * step, "end": 105.0 + 10 * step,
+         "step": step} for step in range(1, 5)])])
+    events = [
+        {"kind": "placement", "data": {"decision": "start", "mode": "colocate"}},
+        {"kind": "placement", "data": {"decision": "replan", "switch": True, "step": 2}},
+        {"kind": "placement", "data": {"decision": "applied", "step": 2,
+                                       "plan": "disaggregated 1 rollout / 1 train"}},
+        {"kind": "placement", "data": {"decision": "applied"}},  # malformed: skipped
+    ]
+    switches = placement_switches(events)
+    assert switches == [{"step": 3, "plan": "disaggregated 1 rollout / 1 train"}]
+    fig = gantt_figure(spans, switches=switches)
+    (line,) = fig.layout.shapes
+    assert line.x0 == 20.0 and line.line.dash == "dash"  # step 3 starts 20 s after step 1
+    assert "disaggregated" in fig.layout.annotations[0].text
+    assert not gantt_figure(spans, last_steps=1, switches=switches).layout.shapes  # step 3 not shown
 
 
 def test_phase_share_measures_idle_time_per_device() -> None:

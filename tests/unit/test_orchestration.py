@@ -49,9 +49,11 @@ def test_single_controller_uses_the_same_devices_and_ranks_as_parallel(placement
                          "train": {"batch_size": 6}}).data_parallel_size == len(single.train_devices)
 
 
-def test_auto_says_it_is_not_implemented_yet():
-    with pytest.raises(ConfigError, match="not implemented yet") as info:
-        plan(placement={"mode": "auto"})
+def test_auto_refuses_what_it_cannot_re_plan():
+    with pytest.raises(ConfigError, match="controller.mode=parallel"):
+        plan(controller={"mode": "single"}, placement={"mode": "auto"})
+    with pytest.raises(ConfigError, match="fsdp2") as info:
+        plan(placement={"mode": "auto"}, train={"strategy": "fsdp2"})
     assert info.value.errors[0][0] == "placement.mode"
 
 

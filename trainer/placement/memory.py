@@ -265,7 +265,19 @@ def _with(cfg: TrainerConfig, **changes: Any) -> TrainerConfig | None:
 
 def check_memory(cfg: TrainerConfig, *, probe_gpu: bool = False) -> MemoryEstimate | None:
     """Raise ConfigError when the busiest device cannot hold its roles; the errors name the
-    fields to change (first the most direct one) and what value of each would fit."""
+    fields to change (first the most direct one) and what value of each would fit.
+
+    `placement.mode: auto` is checked as the plan it starts with (colocate, or the first
+    candidate that fits); when no candidate fits, colocate's errors say what to change."""
+    if cfg.placement.mode == "auto":
+        from trainer.placement.auto import layout_config, starting_layout
+
+        try:
+            start = layout_config(cfg, starting_layout(cfg))
+        except ConfigError:
+            start = _with(cfg, placement__mode="colocate")
+        if start is not None:
+            return check_memory(start, probe_gpu=probe_gpu)
     dt = _resolved_device_type(cfg) if probe_gpu else (
         "cpu" if cfg.placement.device_type == "auto" else cfg.placement.device_type)
     avail = device_memory_bytes(cfg, dt, probe_gpu=probe_gpu)

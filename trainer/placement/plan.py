@@ -54,8 +54,21 @@ def plan_placement(cfg: TrainerConfig, *, device_type: str) -> PlacementPlan:
     p = cfg.placement
     single = cfg.controller.mode == "single"
     if p.mode == "auto":
-        raise ConfigError([("placement.mode", f"'{p.mode}' is not implemented yet; "
-                            "use 'colocate', 'disaggregated' or 'partial_colocate'")])
+        if single:
+            raise ConfigError([("placement.mode", "'auto' re-plans the parallel controllers; "
+                                "use controller.mode=parallel")])
+        if cfg.train.strategy == "fsdp2":
+            # a re-plan may change the number of training ranks; fsdp2's optimizer shards
+            # resume only with as many ranks as wrote them
+            raise ConfigError([("placement.mode", "'auto' may change the number of training "
+                                "ranks, which train.strategy=fsdp2 cannot resume across; use "
+                                "train.strategy=ddp or a fixed placement.mode")])
+        from trainer.placement.auto import layout_config, starting_layout
+
+        plan = plan_placement(layout_config(cfg, starting_layout(cfg)), device_type=device_type)
+        plan.notes.append("auto: starts here, profiles, then moves to the plan with the least "
+                          "predicted step time")
+        return plan
     devices = list(range(p.devices))
     if p.mode == "colocate":
         from trainer.placement.colocate import plan_colocate

@@ -1,0 +1,194 @@
+"""placement.mode=auto: the planner's decisions on steps measured from a known cost model
+(profile, initial choice, re-plan on drift, hysteresis, only plans that fit)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from trainer.config import ConfigError, parse_config
+from trainer.placement.auto import AutoPlanner, candidate_layouts, layout_config, starting_layout
+from trainer.placement.cost_model import CostParams, Layout, LengthDist, Workload, phase_times
+from trainer.placement.plan import plan_placement
+
+COLOCATE = Layout("colocate", 2)
+DISAGG = Layout("disaggregated", 2, rollout_devices=1)
+# CPU-like: training per token dominates; generation has a per-decode-step latency floor
+TRUE = CostParams(gen_fixed_s=0.05, gen_step_s=0.02, gen_token_s=0.001, train_fixed_s=0.05,
+                  train_token_s=0.002, sync_fixed_s=0.02, reward_sample_s=0.0005)
+SLOW_DECODE = replace(TRUE, gen_step_s=0.6)  # the shift: every decode step 30× slower
+
+
+def cfg(**placement):
+    return parse_config({"train": {"max_steps": 200, "batch_size": 16}, "rollout": {"n": 8},
+                         "placement": {"mode": "auto", "devices": 2, "profile_steps": 4,
+                                       "replan_every": 10, **placement}})
+
+
+def measured(params: CostParams, layout: Layout, rng: random.Random) -> dict[str, float]:
+    """One step's metrics as the driver combines them, from `params` with 2% noise."""
+    mean = rng.uniform(4, 6)
+    w = Workload(prompts=16, n=8, response=LengthDist(mean), prompt_tokens=8, param_bytes=4e6)
+    pt = phase_times(params, w, layout)
+    noise = lambda x: x * rng.uniform(0.98, 1.02)  # noqa: E731
+    return {"time/step": noise(pt.step), "time/rollout": noise(pt.rollout), "time/reward": noise(pt.reward),
+            "time/train": noise(pt.train), "time/weight_sync": noise(pt.weight_sync),
+            "time/reference": 0.0, "tokens/generated": w.gen_tokens, "tokens/trained": w.train_tokens,
+            "response/length_mean": mean, "response/length_max": mean}
+
+
+def drive(planner: AutoPlanner, steps: int, params_at=lambda step: TRUE, seed: int = 0):
+    """Run the planner like the driver does: a switch stops the gang and resumes at that step."""
+    rng = random.Random(seed)
+    decisions, layouts = [], {}
+    for step in range(1, steps + 1):
+        layouts[step] = planner.layout
+        for d in planner.observe(step, measured(params_at(step), planner.layout, rng), now=0.0):
+            decisions.append(d)
+        if planner.pending is not None:
+            planner.switched(planner.pending, step)
+    return decisions, layouts
+
+
+def test_candidates_are_colocate_and_every_split_whose_batch_splits():
+    c = parse_config({"train": {"batch_size": 16}, "placement": {"mode": "auto", "devices": 4}})
+    plans = [(lay.mode, lay.rollout_pool) for lay, _fits in candidate_layouts(c)]
+    # 3 training devices cannot split 16 prompts
+    assert plans == [("colocate", 4), ("disaggregated", 2), ("disaggregated", 3)]
+    assert layout_config(c, Layout("disaggregated", 4, rollout_devices=3)).data_parallel_size == 1
+
+
+def test_auto_starts_in_colocate_and_plans_its_devices():
+    c = cfg()
+    assert starting_layout(c) == COLOCATE
+    plan = plan_placement(c, device_type="cpu")
+    assert plan.mode == "colocate" and plan.train_devices == [0, 1]
+    assert any("auto" in n for n in plan.notes)
+    with pytest.raises(ConfigError, match="controller.mode=parallel"):
+        plan_placement(parse_config({"placement": {"mode": "auto"}, "controller": {"mode": "single"}}),
+                       device_type="cpu")
+
+
+def test_profiles_both_layouts_then_chooses_the_faster_and_stays():
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 80)
+    kinds = [(d.kind, d.chosen.mode) for d in decisions]
+    assert kinds[0] == ("profile", "disaggregated")
+    assert ("initial", "colocate") in kinds
+    initial = next(d for d in decisions if d.kind == "initial")
+    assert initial.switch  # it was profiling disaggregated: back to colocate
+    preds = {p["plan"]: p["predicted_step_s"] for p in initial.predictions}
+    assert preds["colocate"] < preds["disaggregated 1 rollout / 1 train"]
+    # the workload never changes: after the choice, no re-plan and no "kept" noise
+    assert [d.kind for d in decisions if d.step > initial.step + 6] == []
+    assert layouts[80] == COLOCATE
+    # each switch gets its measured step time afterwards, next to what was predicted
+    followups = [d for d in decisions if d.kind == "measured"]
+    assert len(followups) == 2 and all(d.measured_step_s and d.predicted_step_s for d in followups)
+    true_colocate = phase_times(TRUE, Workload(16, 8, LengthDist(5), 8, 4e6), COLOCATE).step
+    assert followups[-1].measured_step_s == pytest.approx(true_colocate, rel=0.1)
+
+
+def test_a_workload_shift_re_plans_to_the_plan_that_is_now_faster():
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 140, params_at=lambda s: SLOW_DECODE if s > 60 else TRUE)
+    assert layouts[55] == COLOCATE
+    replan = [d for d in decisions if d.kind == "replan"]
+    assert replan and replan[0].switch and replan[0].chosen == DISAGG and replan[0].step > 60
+    assert replan[0].drift > planner.drift_threshold and "drifted" in replan[0].reason
+    assert replan[0].extra["gain"] >= planner.min_gain
+    assert layouts[140] == DISAGG
+    event = replan[0].to_event()
+    assert event["switch"] and event["plan"] == "disaggregated 1 rollout / 1 train"
+    assert {c["plan"] for c in event["candidates"]} == {"colocate", "disaggregated 1 rollout / 1 train"}
+
+
+def test_a_gain_below_the_threshold_is_kept_and_rate_limited():
+    planner = AutoPlanner(cfg(replan_min_gain=0.3), param_bytes=4e6)
+    decisions, layouts = drive(planner, 200, params_at=lambda s: SLOW_DECODE if s > 60 else TRUE)
+    assert not [d for d in decisions if d.kind == "replan"]
+    kept = [d for d in decisions if d.kind == "kept"]
+    assert any("below placement.replan_min_gain" in d.reason for d in kept)
+    assert all(not d.switch for d in kept) and layouts[200] == COLOCATE
+    # rate-limited: at most one "kept" per 3 checks, each check re-anchors the prediction
+    assert all(b.step - a.step >= 30 for a, b in zip(kept, kept[1:], strict=False))
+
+
+def test_no_switch_when_fewer_than_replan_every_steps_remain():
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    planner.max_steps = 100
+    decisions, layouts = drive(planner, 100, params_at=lambda s: SLOW_DECODE if s > 88 else TRUE)
+    kept = [d for d in decisions if d.kind == "kept"]
+    assert kept and "only" in kept[0].reason and layouts[100] == COLOCATE
+    assert kept[0].extra["switch_cost_s"] == 30.0 and kept[0].extra["saved_s"] > 0
+
+
+def test_only_plans_that_fit_are_profiled_or_chosen():
+    planner = AutoPlanner(cfg(), param_bytes=4e6, candidates=[(COLOCATE, True), (DISAGG, False)])
+    decisions, layouts = drive(planner, 140, params_at=lambda s: SLOW_DECODE if s > 60 else TRUE)
+    assert decisions[0].kind == "initial" and not decisions[0].switch
+    assert all(lay == COLOCATE for lay in layouts.values())
+    assert all(not p["fits"] for d in decisions for p in d.predictions if p["mode"] == "disaggregated")
+
+
+def test_colocate_that_does_not_fit_starts_in_the_first_plan_that_does():
+    assert starting_layout(cfg(), [(COLOCATE, False), (DISAGG, True)]) == DISAGG
+    with pytest.raises(ConfigError, match="no candidate plan fits"):
+        starting_layout(cfg(), [(COLOCATE, False), (DISAGG, False)])
+
+
+def test_prompt_shards_continue_across_a_change_of_world_size():
+    from trainer.controller import PromptShards
+
+    examples = list(range(24))
+    two = [PromptShards(examples, rank=r, world=2, shards=2, seed=3) for r in range(2)]
+    seen = two[0].take(5) + two[1].take(5)
+    positions = {**two[0].positions(), **two[1].positions()}  # what the checkpoint merges
+    one = PromptShards(examples, rank=0, world=1, shards=2, seed=3)
+    one.load_positions(positions)
+    seen += one.take(8)
+    back = [PromptShards(examples, rank=r, world=2, shards=2, seed=3) for r in range(2)]
+    for b in back:
+        b.load_positions(one.positions())
+    seen += back[0].take(3) + back[1].take(3)
+    assert sorted(seen) == examples  # one epoch: every prompt exactly once, none skipped
+    # with as many shards as ranks it is the plain per-rank stream
+    from trainer.controller import PromptStream
+
+    assert PromptShards(examples, rank=1, world=2, shards=2, seed=3).take(7) == \
+        PromptStream(examples, rank=1, world=2, seed=3).take(7)
+
+
+def test_a_switch_that_measures_slower_is_reverted_once():
+    # the planner is told disaggregated got faster, but measuring it shows the opposite
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 40)
+    assert layouts[40] == COLOCATE
+    planner._decide("replan", 40, DISAGG, [], "test: a wrong prediction", predicted=0.1)
+    planner.switched(DISAGG, 40)
+    rng = random.Random(1)
+    after = []
+    for step in range(41, 80):
+        after += planner.observe(step, measured(TRUE, planner.layout, rng), now=0.0)
+        if planner.pending is not None:
+            planner.switched(planner.pending, step)
+    reverts = [d for d in after if d.kind == "replan" and d.switch]
+    assert len(reverts) == 1 and reverts[0].chosen == COLOCATE and "switching back" in reverts[0].reason
+    assert planner.layout == COLOCATE
+
+
+def test_slow_decode_spec_per_step_per_token_and_shifting_twice():
+    from types import SimpleNamespace
+
+    from trainer.rollout.decode_delay import decode_delay_s
+
+    samples = [SimpleNamespace(response_ids=[1] * n) for n in (2, 5, 3)]
+    assert decode_delay_s(9, samples, "10:0.5") == 0.0
+    assert decode_delay_s(10, samples, "10:0.5") == 2.5  # the longest response: 5 decode steps
+    assert decode_delay_s(10, samples, "10:0.5:token") == 5.0  # 10 generated tokens
+    assert decode_delay_s(25, samples, "10:0.5:token,20:0.1") == pytest.approx(0.5)  # the later one
+    assert decode_delay_s(10, samples, "") == 0.0
+    with pytest.raises(ValueError, match="YATT_SLOW_DECODE"):
+        decode_delay_s(10, samples, "10:fast")

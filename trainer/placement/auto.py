@@ -1,0 +1,390 @@
+"""`placement.mode: auto`: choose the plan with the least predicted step time, and change it while
+the run goes on (DESIGN §3.5).
+
+The planner is fed every step's combined metrics by the driver and answers with decisions; the
+driver applies a switch (checkpoint at a step boundary, stop the gang, start one with the new
+plan, resume). Phases of a run:
+
+1. profile: the run starts in colocate (it always fits if anything does; otherwise the first
+   candidate that fits) and measures `placement.profile_steps` steps after 2 warm-up steps.
+   One layout cannot separate a phase's fixed cost from its per-work cost (every driver scales
+   the same way), so the profile then visits the best-predicted other layout for as many steps.
+2. initial choice: the cost model fitted to both layouts predicts every candidate's step time on
+   the measured workload; the run moves to the best one that fits in memory when the gain clears
+   `placement.replan_min_gain` (and at least `placement.replan_every` steps remain). Events carry
+   the last measured switch cost and what the remaining steps would save, for the reader: on a
+   loaded 2-core machine a switch costs minutes, which a short run never earns back.
+3. re-plan: every `placement.replan_every` steps the measured phase times of the current plan are
+   compared with the prediction of the last decision. When they drift by more than
+   `placement.replan_drift` (of the step time), the model is refitted on the recent steps and the
+   candidates compared again: a switch, or "kept" when the gain is too small. After a switch the
+   measured step time of the new plan is reported; a switch that measured slower than the plan
+   it left is reverted.
+
+Candidates come from `CANDIDATE_FAMILIES`, one entry per mode: `partial_colocate` joins by adding
+its function there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.config import ConfigError, TrainerConfig, parse_config
+from trainer.placement.cost_model import (
+    CostParams,
+    Layout,
+    PhaseTimes,
+    StepObservation,
+    fit,
+    phase_times,
+)
+
+__all__ = ["CANDIDATE_FAMILIES", "AutoPlanner", "Decision", "candidate_layouts", "layout_config",
+           "layout_label", "starting_layout"]
+
+WARMUP_STEPS = 2  # after every gang start: first engine calls, an empty prefetch queue
+DEFAULT_SWITCH_COST_S = 30.0  # until one is measured: stop, start actors and engines, resume
+PHASES = ("rollout", "reward", "train", "weight_sync")
+
+
+def _colocate(cfg: TrainerConfig) -> list[Layout]:
+    return [Layout("colocate", cfg.placement.devices, staleness=cfg.placement.staleness)]
+
+
+def _disaggregated(cfg: TrainerConfig) -> list[Layout]:
+    d = cfg.placement.devices
+    return [Layout("disaggregated", d, rollout_devices=r, staleness=cfg.placement.staleness)
+            for r in range(1, d)]
+
+
+# One entry per placement mode auto may choose; partial_colocate adds its own here.
+CANDIDATE_FAMILIES: tuple[Callable[[TrainerConfig], list[Layout]], ...] = (_colocate, _disaggregated)
+
+
+def layout_label(layout: Layout) -> str:
+    """How a plan is named in events: `colocate`, `disaggregated 1 rollout / 1 train`."""
+    if layout.mode == "disaggregated":
+        return f"disaggregated {layout.rollout_pool} rollout / {layout.train_pool} train"
+    return layout.mode
+
+
+def layout_config(cfg: TrainerConfig, layout: Layout) -> TrainerConfig:
+    """`cfg` running `layout` (a concrete mode and split): what the controllers are given."""
+    data = cfg.model_dump()
+    data["placement"]["mode"] = layout.mode
+    data["placement"]["rollout_devices"] = layout.rollout_devices if layout.mode == "disaggregated" else None
+    return parse_config(data)
+
+
+def _valid(cfg: TrainerConfig, layout: Layout) -> TrainerConfig | None:
+    try:
+        return layout_config(cfg, layout)
+    except ConfigError:  # e.g. the batch does not split over this training pool
+        return None
+
+
+def _fits(cfg: TrainerConfig) -> bool:
+    from trainer.placement.memory import estimate_memory
+
+    est = estimate_memory(cfg)
+    return est is None or est.fits
+
+
+def candidate_layouts(cfg: TrainerConfig) -> list[tuple[Layout, bool]]:
+    """Every plan auto may choose for `cfg`, with whether it fits in memory; plans whose config
+    does not validate (the batch does not split over the training pool) are left out."""
+    out = []
+    for family in CANDIDATE_FAMILIES:
+        for layout in family(cfg):
+            concrete = _valid(cfg, layout)
+            if concrete is not None:
+                out.append((layout, _fits(concrete)))
+    return out
+
+
+def starting_layout(cfg: TrainerConfig, candidates: list[tuple[Layout, bool]] | None = None) -> Layout:
+    """Colocate when it fits (it holds the most, so anything else fits too), else the first
+    candidate that fits; ConfigError when none does."""
+    candidates = candidate_layouts(cfg) if candidates is None else candidates
+    for layout, fits in candidates:
+        if fits:
+            return layout
+    raise ConfigError([("placement.mode", "placement.mode=auto: no candidate plan fits in memory "
+                        f"({', '.join(layout_label(lay) for lay, _ in candidates) or 'none valid'})")])
+
+
+@dataclass
+class Decision:
+    """One placement decision (`kind`: profile, initial, replan, kept) or the measured follow-up
+    of one (`kind`: measured). `switch` is true when the run moves to `chosen`."""
+
+    kind: str
+    step: int
+    current: Layout
+    chosen: Layout
+    reason: str
+    predictions: list[dict[str, Any]] = field(default_factory=list)
+    predicted_step_s: float | None = None
+    measured_step_s: float | None = None
+    drift: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def switch(self) -> bool:
+        return self.chosen != self.current
+
+    def message(self) -> str:
+        if self.kind == "measured":
+            return (f"placement {layout_label(self.chosen)}: measured {self.measured_step_s:.3f} s/step "
+                    f"(predicted {self.predicted_step_s:.3f} s)")
+        verb = "switch to" if self.switch else "keep"
+        return f"placement {self.kind} at step {self.step}: {verb} {layout_label(self.chosen)} — {self.reason}"
+
+    def to_event(self) -> dict[str, Any]:
+        """The `placement` event's data (what the API returns and the run page marks)."""
+        return {"decision": self.kind, "step": self.step, "switch": self.switch,
+                "current": _layout_dict(self.current), "chosen": _layout_dict(self.chosen),
+                "plan": layout_label(self.chosen), "reason": self.reason,
+                "candidates": self.predictions, "predicted_step_s": self.predicted_step_s,
+                "measured_step_s": self.measured_step_s, "drift": self.drift, **self.extra}
+
+
+def _layout_dict(layout: Layout) -> dict[str, Any]:
+    return {"mode": layout.mode, "devices": layout.devices,
+            "rollout_devices": layout.rollout_pool if layout.mode == "disaggregated" else None,
+            "train_devices": layout.train_pool}
+
+
+def _prediction_event(p: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in p.items() if k not in ("layout", "phases")}
+    out["phases"] = {k: round(v, 4) for k, v in p["phases"].as_dict().items() if math.isfinite(v)}
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+class AutoPlanner:
+    """The decisions of `placement.mode: auto`, from the steps the run measures. Pure: no Ray, no
+    clock unless asked (`now`), so the decision logic is unit-tested on synthetic steps."""
+
+    def __init__(self, cfg: TrainerConfig, *, param_bytes: float,
+                 candidates: list[tuple[Layout, bool]] | None = None, start: Layout | None = None):
+        p = cfg.placement
+        self.candidates = candidate_layouts(cfg) if candidates is None else candidates
+        self.layout = start or starting_layout(cfg, self.candidates)
+        self.param_bytes = param_bytes
+        self.max_steps = cfg.train.max_steps
+        self.profile_steps, self.replan_every = p.profile_steps, p.replan_every
+        self.drift_threshold, self.min_gain = p.replan_drift, p.replan_min_gain
+        self.obs: list[StepObservation] = []
+        self.params: CostParams | None = None
+        self.profiled: list[Layout] = []  # layouts measured during the profile, in order
+        self.phase = "profile"
+        self.skip_until = WARMUP_STEPS  # steps up to this one are warm-up
+        self.pending: Layout | None = None  # a switch asked for and not applied yet
+        self.anchor: PhaseTimes | None = None  # the current plan's prediction at the last decision
+        self.anchor_step = 0
+        self.last_kept_step = -10**9
+        self.switches = 0
+        self.switch_cost_s = DEFAULT_SWITCH_COST_S
+        self._stopped_at: float | None = None  # when the last gang's final step was reported
+        self._followup: Decision | None = None  # the switch whose measured step time is due
+        self._left: tuple[Layout, float] | None = None  # the plan a switch left, its measured s/step
+
+    # ------------------------------------------------------------------ the driver's calls
+    def observe(self, step: int, metrics: dict[str, float], *, now: float | None = None) -> list[Decision]:
+        """Take one step's combined metrics; returns the decisions it led to (often none)."""
+        if self.pending is not None or step <= self.skip_until:
+            return []
+        if self._stopped_at is not None:  # first measured step of a new gang: the switch's cost
+            now = time.time() if now is None else now
+            self.switch_cost_s = max(0.0, now - self._stopped_at - metrics.get("time/step", 0.0)
+                                     * (WARMUP_STEPS + 1))
+            self._stopped_at = None
+        if "time/step" not in metrics or not metrics.get("tokens/generated"):
+            return []
+        self.obs.append(StepObservation(self.layout, self.param_bytes, {**metrics, "_step": float(step)}))
+        out: list[Decision] = []
+        if self._followup is not None:
+            out += self._measure_followup(step)
+        if self.phase == "profile":
+            out += self._profile(step)
+        elif step - self.anchor_step >= self.replan_every and self._followup is None:
+            out += self._check(step)
+        return out
+
+    def stopping(self, *, now: float | None = None) -> None:
+        """The gang's last step before a switch was reported (the switch cost starts here)."""
+        self._stopped_at = time.time() if now is None else now
+
+    def switched(self, layout: Layout, resume_step: int) -> None:
+        """The new gang runs `layout` from the checkpoint of `resume_step`."""
+        self.layout, self.pending = layout, None
+        self.skip_until = resume_step + WARMUP_STEPS
+        self.anchor_step = resume_step + WARMUP_STEPS
+        self.switches += 1
+
+    # ------------------------------------------------------------------ phases
+    def _recent(self, layout: Layout, k: int) -> list[StepObservation]:
+        return [o for o in self.obs if o.layout == layout][-k:]
+
+    def _profile(self, step: int) -> list[Decision]:
+        here = [o for o in self.obs if o.layout == self.layout]
+        if len(here) < self.profile_steps:
+            return []
+        if self.layout not in self.profiled:
+            self.profiled.append(self.layout)
+        self.params = self._fit(self.obs)
+        preds = self._predictions(self.params, here[-self.profile_steps:])
+        fitting = [p for p in preds if p["fits"]]
+        others = [p for p in fitting if p["layout"] not in self.profiled]
+        if len(self.profiled) == 1 and others:
+            best_other = min(others, key=lambda p: p["predicted_step_s"])
+            return [self._decide("profile", step, best_other["layout"], preds,
+                                 "one layout cannot separate fixed from per-work phase costs: "
+                                 f"profile {layout_label(best_other['layout'])} too "
+                                 f"({self.profile_steps} steps)")]
+        self.phase = "steady"
+        best = min(fitting, key=lambda p: p["predicted_step_s"])
+        return [self._choose("initial", step, preds, best)]
+
+    def _check(self, step: int) -> list[Decision]:
+        recent = self._recent(self.layout, self.replan_every)
+        recent = [o for o in recent if self._step_of(o) > self.anchor_step - 1]
+        self.anchor_step = step
+        if len(recent) < max(2, self.replan_every // 2) or self.anchor is None:
+            return []
+        measured = {k: _mean([o.get(f"time/{k}") for o in recent]) for k in (*PHASES, "step")}
+        pred = self.anchor.as_dict()
+        scale = max(pred["step"], 1e-9)
+        drift = max(abs(measured[k] - pred[k]) for k in (*PHASES, "step")) / scale
+        if drift <= self.drift_threshold:
+            return []
+        # refit on what is true now: this plan's newest steps (the drift may have begun mid-window),
+        # and each other plan's newest ones
+        recent = recent[-max(4, self.replan_every // 2):]
+        window = list(recent)
+        for layout in {o.layout for o in self.obs} - {self.layout}:
+            window += self._recent(layout, self.profile_steps)
+        self.params = self._fit(window, prior=self.params)
+        preds = self._predictions(self.params, recent)
+        fitting = [p for p in preds if p["fits"]]
+        best = min(fitting, key=lambda p: p["predicted_step_s"])
+        d = self._choose("replan", step, preds, best, drift=drift, measured=measured["step"])
+        if not d.switch and step - self.last_kept_step < 3 * self.replan_every:
+            return []  # "kept" is rate-limited; the check itself re-anchored the prediction
+        if not d.switch:
+            self.last_kept_step = step
+        return [d]
+
+    def _measure_followup(self, step: int) -> list[Decision]:
+        d = self._followup
+        assert d is not None
+        here = [o for o in self.obs if o.layout == self.layout and self._step_of(o) > self.skip_until]
+        if len(here) < self.profile_steps:
+            return []
+        self._followup = None
+        measured = _mean([o.get("time/step") for o in here[-self.profile_steps:]])
+        out = [Decision("measured", step, d.chosen, d.chosen, f"after the {d.kind} at step {d.step}",
+                        predicted_step_s=d.predicted_step_s, measured_step_s=measured,
+                        extra={"decision_step": d.step, "error": (d.predicted_step_s - measured)
+                               / measured if measured and d.predicted_step_s else None})]
+        left = self._left
+        self._left = None
+        if (left is not None and self.phase == "steady" and d.kind != "profile"
+                and measured > left[1] * (1 + self.min_gain)):
+            # the model was wrong about this switch: go back to the plan that measured faster
+            back = left[0]
+            out.append(self._decide("replan", step, back, [],
+                                    f"{layout_label(self.layout)} measured {measured:.3f} s/step, "
+                                    f"slower than {left[1]:.3f} s/step of {layout_label(back)} "
+                                    "before the switch: switching back",
+                                    predicted=left[1], measured=measured))
+            self._left = None  # a revert is not itself reverted: no ping-pong on noisy steps
+        return out
+
+    # ------------------------------------------------------------------ choosing
+    def _choose(self, kind: str, step: int, preds: list[dict[str, Any]], best: dict[str, Any], *,
+                drift: float | None = None, measured: float | None = None) -> Decision:
+        current = next(p for p in preds if p["layout"] == self.layout)
+        cur_s, best_s = current["predicted_step_s"], best["predicted_step_s"]
+        gain = (cur_s - best_s) / cur_s if cur_s > 0 else 0.0
+        remaining = max(0, self.max_steps - step)
+        repaid = (cur_s - best_s) * remaining
+        if best["layout"] == self.layout:
+            reason = f"{layout_label(self.layout)} is predicted fastest ({cur_s:.3f} s/step)"
+            chosen = self.layout
+        elif gain < self.min_gain:
+            reason = (f"{layout_label(best['layout'])} predicted {best_s:.3f} s/step vs "
+                      f"{cur_s:.3f}: gain {gain:.1%} below placement.replan_min_gain "
+                      f"{self.min_gain:.0%}")
+            chosen = self.layout
+        elif remaining < self.replan_every:
+            reason = (f"{layout_label(best['layout'])} predicted {gain:.1%} faster, but only "
+                      f"{remaining} steps remain (fewer than placement.replan_every)")
+            chosen = self.layout
+        else:
+            reason = (f"{layout_label(best['layout'])} predicted {best_s:.3f} s/step vs "
+                      f"{cur_s:.3f} for {layout_label(self.layout)}: {gain:.1%} faster")
+            chosen = best["layout"]
+        if drift is not None:
+            reason = f"measured phase times drifted {drift:.0%} from the prediction; " + reason
+        if kind == "replan" and chosen == self.layout:
+            kind = "kept"
+        return self._decide(kind, step, chosen, preds, reason, predicted=next(
+            p["predicted_step_s"] for p in preds if p["layout"] == chosen),
+            drift=drift, measured=measured, gain=gain,
+            switch_cost={"switch_cost_s": self.switch_cost_s, "saved_s": repaid})
+
+    def _decide(self, kind: str, step: int, chosen: Layout, preds: list[dict[str, Any]], reason: str,
+                *, predicted: float | None = None, drift: float | None = None,
+                measured: float | None = None, gain: float | None = None,
+                switch_cost: dict[str, float] | None = None) -> Decision:
+        if predicted is None:
+            predicted = next((p["predicted_step_s"] for p in preds if p["layout"] == chosen), None)
+        d = Decision(kind, step, self.layout, chosen, reason,
+                     predictions=[_prediction_event(p) for p in preds],
+                     predicted_step_s=predicted, measured_step_s=measured, drift=drift,
+                     extra={**({"gain": gain} if gain is not None else {}), **(switch_cost or {})})
+        times = {p["layout"]: p["phases"] for p in preds}
+        self.anchor = times.get(chosen, self.anchor)
+        self.anchor_step = step
+        if d.switch:
+            here = [o.get("time/step") for o in self._recent(self.layout, self.profile_steps)]
+            self._left = (self.layout, _mean(here)) if here else None
+            self.pending = chosen
+            self._followup = d
+        return d
+
+    def _fit(self, obs: list[StepObservation], prior: CostParams | None = None) -> CostParams:
+        params = fit(obs, prior=prior).params
+        if prior is not None and all(o.layout.train_pool == 1 for o in obs):
+            params.allreduce_Bps = prior.allreduce_Bps  # no all-reduce was measured: keep the old term
+        return params
+
+    def _predictions(self, params: CostParams, recent: list[StepObservation]) -> list[dict[str, Any]]:
+        """Every candidate's predicted phase times on the mean workload of `recent` steps."""
+        keys = {k for o in recent for k in o.metrics}
+        mean_metrics = {k: _mean([o.get(k) for o in recent]) for k in keys}
+        workload = StepObservation(recent[-1].layout, self.param_bytes, mean_metrics).workload()
+        out = []
+        for layout, fits in self.candidates:
+            pt = phase_times(params, workload, layout)
+            out.append({"layout": layout, "plan": layout_label(layout), "mode": layout.mode,
+                        "rollout_devices": layout.rollout_pool if layout.mode == "disaggregated" else None,
+                        "predicted_step_s": round(pt.step, 4) if math.isfinite(pt.step) else None,
+                        "fits": fits, "phases": pt})
+        for p in out:
+            if p["predicted_step_s"] is None:
+                p["fits"] = False
+        return out
+
+    @staticmethod
+    def _step_of(o: StepObservation) -> int:
+        return int(o.metrics.get("_step", 0))
