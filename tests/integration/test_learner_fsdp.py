@@ -96,16 +96,15 @@ def _train(rank: int, world: int, port: int, cfg_data: dict, model_dir: str) -> 
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, runs: dict, model_dir: str, out: str) -> None:
+def _rank_main(rank: int, world: int, ports: list[int], runs: dict, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(rank)
-    results = {name: _train(rank, world, port + k, cfg, model_dir)
+    results = {name: _train(rank, world, ports[k], cfg, model_dir)
                for k, (name, cfg) in enumerate(runs.items())}
     torch.save(results, out)
 
 
 def _free_port() -> int:
-    # a block of consecutive ports, one per learner; the first one is free, the rest likely
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -135,10 +134,10 @@ def trained(nano, tmp_path_factory) -> dict:
     }
     tmp = tmp_path_factory.mktemp("fsdp")
     outs = [str(tmp / f"rank{r}.pt") for r in range(2)]
-    port = _free_port()
+    ports = [_free_port() for _ in runs]  # each its own: port + k may be taken (Ray's, say)
     mp_ = pytest.MonkeyPatch()
     try:
-        _spawn(_rank_main, lambda r: (r, 2, port, runs, str(nano), outs[r]), mp_)
+        _spawn(_rank_main, lambda r: (r, 2, ports, runs, str(nano), outs[r]), mp_)
     finally:
         mp_.undo()
     return {"rank0": torch.load(outs[0], weights_only=False),
