@@ -121,6 +121,10 @@ class PromptShards:
             part.position = int(positions.get(v, part.position))
 
 
+def _storable(text: str) -> str:
+    return text.replace("\x00", "\ufffd")
+
+
 def _sample_dict(s: Any) -> Any:
     return s  # Sample is a plain dataclass: it travels through Ray as it is
 
@@ -639,7 +643,10 @@ class ControllerLoop:
                             sum(s.finish_reason == "length" for s in drawn) / len(drawn),
                     })
                 metrics["reward/failed_batches"] = float(self._reward_failures)
-                scored_samples = [{"prompt": s.prompt, "response": s.response_text, "reward": r}
+                # text a model generated may hold NUL, which no database stores (the API refuses
+                # the whole events batch): shown as U+FFFD instead
+                scored_samples = [{"prompt": _storable(s.prompt), "response": _storable(s.response_text),
+                                   "reward": r}
                                   for g in self._drawn for s, r in zip(g.samples, g.rewards, strict=True)]
                 self._scored_samples = scored_samples[:SCORED_SAMPLES_KEPT]
                 metrics["sampling/staleness"] = float(self._staleness)
