@@ -121,10 +121,6 @@ class PromptShards:
             part.position = int(positions.get(v, part.position))
 
 
-def _storable(text: str) -> str:
-    return text.replace("\x00", "\ufffd")
-
-
 def _sample_dict(s: Any) -> Any:
     return s  # Sample is a plain dataclass: it travels through Ray as it is
 
@@ -643,11 +639,11 @@ class ControllerLoop:
                             sum(s.finish_reason == "length" for s in drawn) / len(drawn),
                     })
                 metrics["reward/failed_batches"] = float(self._reward_failures)
-                # text a model generated may hold NUL, which no database stores (the API refuses
-                # the whole events batch): shown as U+FFFD instead
-                scored_samples = [{"prompt": _storable(s.prompt), "response": _storable(s.response_text),
-                                   "reward": r}
-                                  for g in self._drawn for s, r in zip(g.samples, g.rewards, strict=True)]
+                # text a model generated may hold NUL, which no database stores (the API would
+                # refuse the whole events batch): such samples are not among those shown
+                scored_samples = [{"prompt": s.prompt, "response": s.response_text, "reward": r}
+                                  for g in self._drawn for s, r in zip(g.samples, g.rewards, strict=True)
+                                  if "\x00" not in s.prompt + s.response_text]
                 self._scored_samples = scored_samples[:SCORED_SAMPLES_KEPT]
                 metrics["sampling/staleness"] = float(self._staleness)
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < cfg.train.max_steps:
