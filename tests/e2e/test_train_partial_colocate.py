@@ -69,6 +69,7 @@ def test_partial_colocate_scores_while_generating_with_the_reward_model(
     again = ModelReward(reward_model)([s["prompt"] for s in scored], [s["response"] for s in scored],
                                       [None] * len(scored))
     for s, r in zip(scored, again, strict=True):
-        assert s["reward"] == pytest.approx(r, abs=1e-4)
+        # the scorer actor and this process batch and pad differently: equal up to float noise
+        assert s["reward"] == pytest.approx(r, abs=1e-3)
     assert len({round(s["reward"], 4) for s in scored}) > 1  # real scores, not a constant
     assert summary == read_summary(tmp_path)
