@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from sqlalchemy.engine import Connection
 
+from backend.runs.search import dialect_statements
+
 _SQLITE_TRIGGERS = ("experiment_run_count_insert", "experiment_run_count_delete", "experiment_run_count_move")
 
 _SQLITE_DDL = [
@@ -67,24 +69,15 @@ _RECOUNT = (
 )
 
 
-def _statements(conn: Connection, sqlite: list[str], postgresql: list[str]) -> list[str]:
-    name = conn.dialect.name
-    if name == "sqlite":
-        return sqlite
-    if name == "postgresql":
-        return postgresql
-    raise NotImplementedError(f"experiment run counts need SQLite or PostgreSQL triggers, not {name}")
-
-
 def install(conn: Connection) -> None:
     """Create the triggers that keep `experiments.run_count` in step with `runs` (idempotent)."""
-    for stmt in _statements(conn, _SQLITE_DDL, _PG_DDL):
+    for stmt in dialect_statements(conn, _SQLITE_DDL, _PG_DDL, what="experiment run-count triggers"):
         conn.exec_driver_sql(stmt)
 
 
 def uninstall(conn: Connection) -> None:
     """Drop the triggers (the counts stop following the runs until `install` and `recount`)."""
-    for stmt in _statements(conn, _SQLITE_DROP, _PG_DROP):
+    for stmt in dialect_statements(conn, _SQLITE_DROP, _PG_DROP, what="experiment run-count triggers"):
         conn.exec_driver_sql(stmt)
 
 

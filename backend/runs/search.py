@@ -151,30 +151,31 @@ _PG_REBUILD = [
 ]
 
 
-def _statements(conn: Connection, sqlite: list[str], postgresql: list[str]) -> list[str]:
+def dialect_statements(conn: Connection, sqlite: list[str], postgresql: list[str], *, what: str) -> list[str]:
+    """The statements for `conn`'s database; `what` names the feature that needs one of the two."""
     name = conn.dialect.name
     if name == "sqlite":
         return sqlite
     if name == "postgresql":
         return postgresql
-    raise NotImplementedError(f"run search needs SQLite FTS5 or PostgreSQL, not {name}")
+    raise NotImplementedError(f"{what} needs SQLite or PostgreSQL, not {name}")
 
 
 def install(conn: Connection) -> None:
     """Create the search index and the triggers that keep it in step (idempotent)."""
-    for stmt in _statements(conn, _SQLITE_DDL, _PG_DDL):
+    for stmt in dialect_statements(conn, _SQLITE_DDL, _PG_DDL, what="run search (FTS5 / tsvector)"):
         conn.exec_driver_sql(stmt)
 
 
 def uninstall(conn: Connection) -> None:
     """Drop the search index and its triggers."""
-    for stmt in _statements(conn, _SQLITE_DROP, _PG_DROP):
+    for stmt in dialect_statements(conn, _SQLITE_DROP, _PG_DROP, what="run search (FTS5 / tsvector)"):
         conn.exec_driver_sql(stmt)
 
 
 def rebuild(conn: Connection) -> None:
     """Index every run again from scratch (after a migration or a bulk load)."""
-    for stmt in _statements(conn, _SQLITE_REBUILD, _PG_REBUILD):
+    for stmt in dialect_statements(conn, _SQLITE_REBUILD, _PG_REBUILD, what="run search (FTS5 / tsvector)"):
         conn.exec_driver_sql(stmt)
 
 
