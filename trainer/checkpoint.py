@@ -26,6 +26,8 @@ import torch
 __all__ = [
     "checkpoint_dir",
     "latest_checkpoint",
+    "step_of",
+    "discard_after",
     "list_checkpoints",
     "rng_state",
     "set_rng_state",
@@ -56,10 +58,29 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name.split("_")[1]))
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint: the resume point of a run."""
-    found = list_checkpoints(run_dir)
+def latest_checkpoint(run_dir: str | Path, *, at_most: int | None = None) -> Path | None:
+    """The newest complete checkpoint (no newer than step `at_most`): the resume point of a run."""
+    found = [p for p in list_checkpoints(run_dir) if at_most is None or step_of(p) <= at_most]
     return found[-1] if found else None
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.split("_")[1])
+
+
+def discard_after(run_dir: str | Path, step: int) -> list[int]:
+    """Delete the complete checkpoints newer than `step`; returns their steps.
+
+    A controller checkpoints before the driver has drained its reports of the steps up to the
+    checkpoint; if it dies in between, a resume from that checkpoint would never report those
+    steps again, so the driver resumes from the newest checkpoint it has reported through and
+    discards the newer ones (their steps are trained again).
+    """
+    gone = [p for p in list_checkpoints(run_dir) if step_of(p) > step]
+    for p in gone:
+        (p / MARKER).unlink(missing_ok=True)  # not a resume point from here on, even half-deleted
+        shutil.rmtree(p, ignore_errors=True)
+    return [step_of(p) for p in gone]
 
 
 def rng_state() -> dict[str, Any]:
@@ -121,10 +142,18 @@ def mark_complete(path: Path, trainer_state: dict[str, Any]) -> None:
     (path / MARKER).write_text("")
 
 
-def prune(run_dir: str | Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints."""
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def prune(run_dir: str | Path, keep: int, *, reported_through: int | None = None) -> None:
+    """Delete all but the newest `keep` complete checkpoints, and the newest one not newer than
+    `reported_through` (the step the driver has taken every report of: the resume point if the
+    controller dies before the newer checkpoints' steps are reported, see `discard_after`)."""
+    found = list_checkpoints(run_dir)
+    kept = set(found[-keep:])
+    if reported_through is not None:
+        safe = [p for p in found if step_of(p) <= reported_through]
+        kept.update(safe[-1:])
+    for old in found:
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def load_shared(path: Path, *, optimizer: Any, scheduler: Any, critic: Any = None,

@@ -197,6 +197,7 @@ class ControllerLoop:
         self._chunks_sent = 0
         self._stream_stats = {"scoring": 0.0, "overlapped": 0.0, "rollout_scored": 0.0}
         self._records: list[dict[str, Any]] = []
+        self._drained_step = 0  # the newest step whose metrics the driver has drained
         self._lock = threading.Lock()
         self.recorder = PhaseRecorder(device)
         self.monitor = DeviceMonitor(device, device_type=device_type, cores=cores)
@@ -217,6 +218,9 @@ class ControllerLoop:
     def drain(self) -> list[dict[str, Any]]:
         with self._lock:
             out, self._records = self._records, []
+            steps = [r["step"] for r in out if r.get("type") == "metrics"]
+            if steps:  # the driver holds this rank's reports through here (checkpoint.prune)
+                self._drained_step = max(self._drained_step, max(steps))
         return out
 
     def open_weight_broadcast(self, master_addr: str, master_port: int, receivers: list[Any],
@@ -278,6 +282,7 @@ class ControllerLoop:
                                       scheduler=lr.scheduler, critic_opt=lr.critic_opt)
             lr.load_full_state_dicts(reference=shared.get("reference"), critic=shared.get("critic"))
             self.state = ckpt.read_trainer_state(resume)
+            self._drained_step = self.state["step"]  # the driver resumed here: reported through it
             mine = ckpt.load_rank(resume, self.rank)
             if lr.sharded:  # each rank's optimizer shards are in its own file
                 assert mine is not None, f"{resume} has no rank{self.rank}.pt: resume with as many ranks"
@@ -549,7 +554,7 @@ class ControllerLoop:
                 self.group.barrier()
             if self.rank == 0:
                 ckpt.mark_complete(path, {**self.state, "step": step})
-                ckpt.prune(self.run_dir, self.cfg.checkpoint.keep)
+                ckpt.prune(self.run_dir, self.cfg.checkpoint.keep, reported_through=self._drained_step)
                 self._emit({"type": "checkpoint", "step": step, "path": str(path),
                             "size_bytes": ckpt.dir_size(path), "metrics": metrics})
 

@@ -108,6 +108,10 @@ class Driver:
         self.resumed_from: list[int] = []
         self._pending: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
         self._step_metrics: dict[int, dict[str, float]] = {}
+        # the newest step whose reports (every rank's) were taken and logged, and the checkpoint
+        # records held until their step is: a restart resumes from no newer checkpoint
+        self._reported_step = 0
+        self._held_checkpoints: list[dict[str, Any]] = []
         self._started_running = False
         self._proc = psutil.Process()
         # bytes of pickled payloads this process received / sent (driver/bytes_* per step)
@@ -153,6 +157,7 @@ class Driver:
                                     {"resume_step": int(resume.name.split('_')[1]),
                                      "attempt": os.environ.get("YATT_ATTEMPT")})
             self.resumed_from.append(int(resume.name.split("_")[1]))
+            self._reported_step = ckpt.step_of(resume)
         ControllerActor, RolloutActor = _remote_classes()
         results: list[dict[str, Any]] = []
         try:
@@ -173,10 +178,15 @@ class Driver:
                         raise RunFailed(f"controller {died.rank} failed and "
                                         f"controller.max_restarts={self.cfg.controller.max_restarts} "
                                         f"restarts are used up: {died.reason}") from None
-                    latest = ckpt.latest_checkpoint(self.run_dir)
-                    step = int(latest.name.split("_")[1]) if latest else 0
+                    # the dead gang may have checkpointed steps whose reports it never handed
+                    # over: resume from the newest checkpoint reported through, drop newer ones
+                    latest = ckpt.latest_checkpoint(self.run_dir, at_most=self._reported_step)
+                    step = ckpt.step_of(latest) if latest else 0
+                    discarded = ckpt.discard_after(self.run_dir, step)
                     self.resumed_from.append(step)
                     self._pending.clear()
+                    self._held_checkpoints.clear()
+                    self._reported_step = step
                     if self._planner is not None and self._planner.pending is not None:
                         placement, cfg_json = self._apply_switch(placement, step)  # asked for before it died
                     msg = (f"controller {died.rank} failed ({died.reason}); restart "
@@ -185,6 +195,7 @@ class Driver:
                     self.on_message(msg)
                     self.reporter.log_event("restart", msg, {"rank": died.rank, "restart": self.restarts,
                                                              "resume_step": step,
+                                                             "discarded_checkpoints": discarded,
                                                              "reason": died.reason[:2000]})
         except Exception as exc:
             self._stop_gang()
@@ -327,12 +338,21 @@ class Driver:
                 if rec.get("print", True):
                     self.on_message(rec["message"])
         elif kind == "checkpoint":
-            self.reporter.log_checkpoint(rec["step"], rec["path"], rec["size_bytes"], rec["metrics"])
+            self._held_checkpoints.append(rec)  # logged once its step is (_release_checkpoints)
+            self._release_checkpoints()
         elif kind == "metrics":
             step = rec["step"]
             self._pending[step][rec["rank"]] = rec
             if len(self._pending[step]) == len(self.controllers):
                 self._complete_step(step, self._pending.pop(step))
+
+    def _release_checkpoints(self) -> None:
+        """Log the checkpoints whose step every rank has reported: a restart may discard a newer
+        one (see `checkpoint.discard_after`), and the API must not list what is gone."""
+        ready = [r for r in self._held_checkpoints if r["step"] <= self._reported_step]
+        self._held_checkpoints = [r for r in self._held_checkpoints if r["step"] > self._reported_step]
+        for rec in ready:
+            self.reporter.log_checkpoint(rec["step"], rec["path"], rec["size_bytes"], rec["metrics"])
 
     def _complete_step(self, step: int, per_rank: dict[int, dict[str, Any]]) -> None:
         metrics = combine_rank_metrics([r["metrics"] for r in per_rank.values()])
@@ -357,6 +377,8 @@ class Driver:
             self.reporter.set_state("running")
         self._step_metrics[step] = metrics
         self.reporter.log_metrics(step, metrics)
+        self._reported_step = max(self._reported_step, step)
+        self._release_checkpoints()
         spans = [s for r in per_rank.values() for s in r.get("spans", [])]
         if spans:
             # a few scored samples ride along, so a reader can check what the reward said

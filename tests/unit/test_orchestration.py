@@ -127,6 +127,24 @@ def test_checkpoint_bookkeeping(tmp_path):
     assert ckpt.read_trainer_state(ckpt.latest_checkpoint(tmp_path)) == {"step": 4}
 
 
+def test_checkpoints_newer_than_the_reports_are_kept_apart_from_the_resume_point(tmp_path):
+    """A controller may checkpoint steps whose reports the driver has not drained yet: pruning
+    keeps the newest checkpoint reported through, and a restart resumes there, dropping newer."""
+    from trainer import checkpoint as ckpt
+
+    for step in (10, 20, 30, 40, 50):
+        path = ckpt.checkpoint_dir(tmp_path, step)
+        path.mkdir(parents=True)
+        ckpt.mark_complete(path, {"step": step})
+        ckpt.prune(tmp_path, keep=1, reported_through=26)
+    assert [ckpt.step_of(p) for p in ckpt.list_checkpoints(tmp_path)] == [20, 50]
+    assert ckpt.step_of(ckpt.latest_checkpoint(tmp_path, at_most=49)) == 20
+    assert ckpt.latest_checkpoint(tmp_path, at_most=19) is None
+    assert ckpt.discard_after(tmp_path, 20) == [50]
+    assert not ckpt.checkpoint_dir(tmp_path, 50).exists()
+    assert ckpt.step_of(ckpt.latest_checkpoint(tmp_path)) == 20
+
+
 def test_relative_paths_become_absolute(tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     out = resolve_paths({"model": {"path": ".yatt/models/m", "preset": "nano"},
