@@ -12,6 +12,7 @@ one exists (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
@@ -205,13 +206,18 @@ class RayCluster:
 
     async def tail_logs(self, submission_id: str) -> AsyncIterator[str]:
         """The job driver's log over one WebSocket (what `JobSubmissionClient.tail_job_logs`
-        reads): the whole log so far, then each piece as it is appended; ends when the job
-        ends. Raises JobNotFound, or RayUnavailable when the connection fails or breaks."""
+        reads): the whole log so far, then each piece as it is appended; ends when the job has
+        ended and its log has been read to the end. Raises JobNotFound, or RayUnavailable when
+        the connection fails, breaks, or is closed while the job still runs."""
         url = "ws" + self.address.removeprefix("http") + f"/api/jobs/{submission_id}/logs/tail"
         try:
             async with websockets.connect(
                 url, additional_headers={"Authorization": f"Bearer {self._token}"} if self._token else None,
                 open_timeout=self._timeout_s, max_size=None,
+                # No permessage-deflate: Ray's dashboard passes the offer on to its JobHead process,
+                # which compresses, while the proxy's own aiohttp client did not ask to, so it drops
+                # every frame and closes at once ("Unknown msg type: 258", aiohttp's ERROR).
+                compression=None,
             ) as ws:
                 async for message in ws:
                     yield message if isinstance(message, str) else message.decode("utf-8", "replace")
@@ -221,6 +227,13 @@ class RayCluster:
             raise RayUnavailable(f"Ray job log tail: {exc.response.status_code}") from exc
         except (OSError, TimeoutError, WebSocketException) as exc:
             raise RayUnavailable(f"Ray job log tail at {self.address} broke: {exc}") from exc
+        # Ray closes the tail normally once the job has ended, but also when its own hop to the
+        # node's agent drops: only the first is the end of the log.
+        job = await asyncio.to_thread(self.job, submission_id)
+        if job is None:
+            raise JobNotFound(submission_id)
+        if not job.terminal:
+            raise RayUnavailable(f"Ray closed the log tail of {submission_id} while it is {job.status}")
 
     # --- nodes -----------------------------------------------------------------------------
 

@@ -34,13 +34,19 @@ def _cluster_or_none(settings: Settings) -> RayCluster | None:
 
 @dataclass
 class LogSnapshot:
-    """One read of an attempt's log: its text so far, whether Ray still runs it, the run's state,
-    and the Ray job's submission id while it runs."""
+    """One read of an attempt's log: its text so far, whether Ray still runs it, the attempt's
+    state, the Ray job's submission id while it runs, and whether Ray has seen the job end."""
 
     text: str
     live: bool
     state: str
     submission_id: str | None = None
+    ended: bool = False  # Ray knows the job and it has ended: its log is whole
+
+    @property
+    def final(self) -> bool:
+        """Nothing will be appended to this attempt's log any more."""
+        return self.ended or (not self.live and RunState(self.state) in TERMINAL)
 
 
 def read_log(db: Database, settings: Settings, run_id: int, attempt: int) -> LogSnapshot:
@@ -50,10 +56,12 @@ def read_log(db: Database, settings: Settings, run_id: int, attempt: int) -> Log
         run = s.get(Run, run_id)
         if run is None:
             return LogSnapshot("", False, RunState.cancelled.value)
-        state = run.state
-        sid = s.scalar(
-            select(RunAttempt.submission_id).where(RunAttempt.run_id == run_id, RunAttempt.number == attempt)
-        )
+        row = s.execute(
+            select(RunAttempt.submission_id, RunAttempt.state)
+            .where(RunAttempt.run_id == run_id, RunAttempt.number == attempt)
+        ).first()
+        # the attempt's own state: an earlier attempt of a retried run has ended though the run goes on
+        sid, state = (row.submission_id, row.state) if row is not None else (None, run.state)
         stored = s.get(RunLog, (run_id, attempt))
         stored_text = stored.text if stored else ""
     if sid:
@@ -62,7 +70,7 @@ def read_log(db: Database, settings: Settings, run_id: int, attempt: int) -> Log
             try:
                 job = cluster.job(sid)
                 if job is not None:
-                    return LogSnapshot(cluster.logs(sid), not job.terminal, state, sid)
+                    return LogSnapshot(cluster.logs(sid), not job.terminal, state, sid, ended=job.terminal)
             except (LookupError, RayUnavailable):
                 pass
             finally:
@@ -77,7 +85,9 @@ def tail_lines(text: str, n: int | None) -> str:
     return "".join(text.splitlines(keepends=True)[-n:])
 
 
-LiveTail = Callable[[str], AsyncIterator[str]]  # a Ray job's whole log, then what is appended
+# A Ray job's whole log, then what is appended; returns only once the job has ended and its log
+# was read to the end, raises LookupError or RayUnavailable otherwise (RayCluster.tail_logs).
+LiveTail = Callable[[str], AsyncIterator[str]]
 
 
 async def follow_log(
@@ -86,13 +96,13 @@ async def follow_log(
 ) -> AsyncIterator[str]:
     """The log (its last `tail` lines first, when given), then only what is appended, until
     the attempt has ended. While Ray runs the job, one `live_tail` connection carries what is
-    appended (the log is not fetched again on every poll); before the job starts, after it
-    ends, or when the connection fails, the log is re-read by polls that back off to
+    appended and ends the stream when the job ends (the log is not fetched again); before the
+    job starts, or when the connection fails, the log is re-read by polls that back off to
     `max_poll_s` while nothing new comes."""
     yield tail_lines(first.text, tail)
     sent = len(first.text)
     snap, wait = first, poll_s
-    while snap.live or RunState(snap.state) not in TERMINAL:
+    while not snap.final:
         if snap.live and snap.submission_id and live_tail is not None:
             streamed, carried = 0, False  # Ray's tail starts at the log's first character
             try:
@@ -102,12 +112,13 @@ async def follow_log(
                         sent, carried = streamed + len(chunk), True
                     streamed += len(chunk)
             except (LookupError, RayUnavailable):
-                live_tail = None  # poll for the rest of this stream
-            if not carried:
-                # A tail that closes with nothing new while the job runs is broken (Ray 2.60's
-                # dashboard proxy drops the WebSocket here: "Unknown msg type: 258"): poll instead.
-                live_tail = None
-                await asyncio.sleep(wait)
+                if not carried:
+                    # broken from the start (a proxy that drops the WebSocket): poll for the rest
+                    live_tail = None
+                    await asyncio.sleep(wait)
+                # one that broke after carrying something new is opened again after this read
+            else:
+                return  # the job has ended and its tail carried the log to the end
         else:
             await asyncio.sleep(wait)
         snap = await read()

@@ -197,3 +197,23 @@ def test_logs_tail_with_follow_on_a_finished_attempt_sends_the_tail_and_ends(liv
         assert r.status_code == 200 and r.text == "step 48\nstep 49\n"
         assert c.get(f"/runs/{run['id']}/logs", params={"tail": 1}).text == "step 49\n"
         assert c.get(f"/runs/{run['id']}/logs", params={"attempt": 2}).status_code == 404
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_following_an_earlier_attempt_of_a_retried_run_ends_with_that_attempt(live_api: LiveAPI) -> None:
+    from backend.db import utcnow
+    from backend.dispatch.models import RunLog
+
+    run = live_api.client.create_run(experiment="exp", config=CONFIG)
+    live_api.start_attempt(run["id"])
+    with live_api.database.session() as s:
+        lifecycle.transition(db_session=s, run_id=run["id"], to_state="failed", reason="test")
+        s.add(RunLog(run_id=run["id"], attempt=1, text="attempt 1 died\n", updated_at=utcnow()))
+        s.commit()
+    live_api.start_attempt(run["id"])  # attempt 2 runs: the run is not final, attempt 1 is
+    with httpx.Client(base_url=live_api.url + "/api/v1", timeout=10,
+                      headers={"Authorization": f"Bearer {live_api.token}"}) as c:
+        started = time.monotonic()
+        r = c.get(f"/runs/{run['id']}/logs", params={"attempt": 1, "follow": True})
+        assert r.status_code == 200 and r.text == "attempt 1 died\n"
+        assert time.monotonic() - started < 5  # not polled until the run ends

@@ -62,9 +62,11 @@ def test_tail_lines() -> None:
 
 
 def follow_with_live_tail(
-    snapshots: list[LogSnapshot], tails: list[list[str] | Exception], tail: int | None
+    snapshots: list[LogSnapshot], tails: list[list[str | Exception]], tail: int | None
 ) -> tuple[list[str], int, list[str]]:
-    """Chunks sent, reads made, and the submission ids the live tail was opened for."""
+    """Chunks sent, reads made, and the submission ids the live tail was opened for. Each tail
+    connection sends its chunks, raising an exception where the script has one; one that runs
+    out of chunks ends normally, as Ray's does once the job has ended."""
     reads, opened = iter(snapshots[1:]), []
     count = 0
     connections = iter(tails)
@@ -76,10 +78,9 @@ def follow_with_live_tail(
 
     async def live_tail(submission_id: str) -> AsyncIterator[str]:
         opened.append(submission_id)
-        script = next(connections)
-        if isinstance(script, Exception):
-            raise script
-        for chunk in script:
+        for chunk in next(connections):
+            if isinstance(chunk, Exception):
+                raise chunk
             yield chunk
 
     async def run() -> list[str]:
@@ -101,7 +102,7 @@ def test_a_running_job_is_followed_over_one_live_tail_not_by_rereading_its_log()
         tail=2,
     )
     assert chunks == ["line 8\nline 9\n", "line 10\n", "line 11\n"]
-    assert reads == 1 and opened == ["yatt-run-1-a1"]  # one read to learn that the attempt ended
+    assert reads == 0 and opened == ["yatt-run-1-a1"]  # the tail's end is the job's: no read at all
 
 
 def test_a_live_tail_that_cuts_a_line_sends_only_the_new_part() -> None:
@@ -122,7 +123,7 @@ def test_when_the_live_tail_fails_the_log_is_polled_instead() -> None:
             LogSnapshot(log + "two\n", True, "running", "s"),
             LogSnapshot(log + "two\nthree\n", False, "succeeded"),
         ],
-        [RayUnavailable("no websocket")],
+        [[RayUnavailable("no websocket")]],
         tail=None,
     )
     assert chunks == ["one\n", "two\n", "three\n"] and reads == 2 and opened == ["s"]
@@ -137,7 +138,31 @@ def test_a_live_tail_that_closes_at_once_is_not_reopened_on_every_poll() -> None
             LogSnapshot(log + "two\n", True, "running", "s"),
             LogSnapshot(log + "two\n", False, "succeeded"),
         ],
-        [["one\n"]],  # the whole log so far, then closed while the job still runs
+        # the whole log so far, then closed while the job still runs (RayCluster.tail_logs raises)
+        [["one\n", RayUnavailable("closed while RUNNING")]],
         tail=None,
     )
     assert chunks == ["one\n", "two\n"] and reads == 3 and opened == ["s"]
+
+
+def test_a_live_tail_that_breaks_after_carrying_new_lines_is_opened_again_and_nothing_repeats() -> None:
+    log = "one\n"
+    chunks, reads, opened = follow_with_live_tail(
+        [LogSnapshot(log, True, "running", "s"), LogSnapshot(log + "two\nthree\n", True, "running", "s")],
+        [["one\ntw", RayUnavailable("connection reset")], ["one\ntwo\nthree\nfour\n"]],
+        tail=None,
+    )
+    assert chunks == ["one\n", "tw", "o\nthree\n", "four\n"]
+    assert "".join(chunks) == "one\ntwo\nthree\nfour\n" and reads == 1 and opened == ["s", "s"]
+
+
+def test_polling_ends_when_ray_has_seen_the_job_end_though_the_attempt_is_not_marked_yet() -> None:
+    chunks, reads = collect(
+        [
+            LogSnapshot("a\n", True, "running", "s"),
+            # the dispatcher has not recorded the end yet, but Ray's log is whole
+            LogSnapshot("a\nb\n", False, "running", "s", ended=True),
+        ],
+        tail=None,
+    )
+    assert chunks == ["a\n", "b\n"] and reads == 1
