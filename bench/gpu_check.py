@@ -246,13 +246,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not torch.cuda.is_available():
             raise SystemExit("no GPU: run with --tiny for the CPU check")
         torch.cuda.set_device(0)
-        device, shapes, work = torch.device("cuda", 0), [QWEN25_05B, QWEN25_15B], GPU_WORK
-    rows = []
+        # the tiny shape first: the whole path on the GPU in seconds, before the real shapes
+        device, shapes, work = torch.device("cuda", 0), [TINY, QWEN25_05B, QWEN25_15B], GPU_WORK
+    rows, failed = [], []
     with tempfile.TemporaryDirectory(prefix="yatt-gpu-check-") as tmp:
         for shape in shapes:
-            rows.append(check_model(shape, work, device, Path(tmp)))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            try:
+                rows.append(check_model(shape, work, device, Path(tmp)))
+            except Exception as exc:  # one shape failing (out of memory, say) keeps the others
+                import traceback
+
+                traceback.print_exc()
+                failed.append(f"{shape.name}: {type(exc).__name__}: {str(exc)[:300]}")
+                if args.tiny or shape is TINY:
+                    raise
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             print(table(rows[-1:]), end="", flush=True)
     print(table(rows), end="")
     print(f"total {time.time() - t0:.0f} s")
@@ -267,7 +278,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{work.rows} sequences × ({work.prompt_tokens} prompt + {work.response_tokens} response) "
             f"tokens per step, micro-batches of {work.micro_batch}, gradient checkpointing; "
             f"generation {work.gen_prompts} prompts × {work.gen_n} × {work.gen_tokens} new tokens. "
-            "MFU: model FLOPs (no recompute) against the GPU's dense bf16 peak.\n\n" + table(rows) + "\n"))
+            "MFU: model FLOPs (no recompute) against the GPU's dense bf16 peak.\n\n" + table(rows) + "\n"
+            + "".join(f"- did not run: {f}\n" for f in failed) + ("\n" if failed else "")))
     return rows
 
 
