@@ -238,6 +238,8 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU and tiny shapes (a functional check)")
+    ap.add_argument("--only", action="append", default=[], metavar="MODEL",
+                    help="run only these shapes (e.g. Qwen2.5-1.5B); the tiny one always runs first")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.tiny:
@@ -248,6 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.cuda.set_device(0)
         # the tiny shape first: the whole path on the GPU in seconds, before the real shapes
         device, shapes, work = torch.device("cuda", 0), [TINY, QWEN25_05B, QWEN25_15B], GPU_WORK
+        shapes = [s for s in shapes if s is TINY or not args.only or s.name in args.only]
     rows, failed = [], []
     with tempfile.TemporaryDirectory(prefix="yatt-gpu-check-") as tmp:
         for shape in shapes:
