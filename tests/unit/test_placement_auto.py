@@ -27,25 +27,33 @@ def cfg(**placement):
                                        "replan_every": 10, **placement}})
 
 
-def measured(params: CostParams, layout: Layout, rng: random.Random) -> dict[str, float]:
-    """One step's metrics as the driver combines them, from `params` with 2% noise."""
+def measured(params: CostParams, layout: Layout, rng: random.Random, *,
+             tail: float = 1.0) -> dict[str, float]:
+    """One step's metrics as the driver combines them, from `params` with 2% noise; the longest
+    of the 128 responses is `tail` × their mean."""
     mean = rng.uniform(4, 6)
-    w = Workload(prompts=16, n=8, response=LengthDist(mean), prompt_tokens=8, param_bytes=4e6)
+    w = Workload(prompts=16, n=8, response=LengthDist.from_mean_max(mean, mean * tail, 128),
+                 prompt_tokens=8, param_bytes=4e6)
     pt = phase_times(params, w, layout)
     noise = lambda x: x * rng.uniform(0.98, 1.02)  # noqa: E731
-    return {"time/step": noise(pt.step), "time/rollout": noise(pt.rollout), "time/reward": noise(pt.reward),
-            "time/train": noise(pt.train), "time/weight_sync": noise(pt.weight_sync),
-            "time/reference": 0.0, "tokens/generated": w.gen_tokens, "tokens/trained": w.train_tokens,
-            "response/length_mean": mean, "response/length_max": mean}
+    out = {"time/step": noise(pt.step), "time/rollout": noise(pt.rollout), "time/reward": noise(pt.reward),
+           "time/train": noise(pt.train), "time/weight_sync": noise(pt.weight_sync),
+           "time/reference": 0.0, "tokens/generated": w.gen_tokens, "tokens/trained": w.train_tokens,
+           "response/length_mean": mean, "response/length_max": w.response.expected_max(w.samples)}
+    if layout.mode == "partial_colocate":
+        # the controllers report the scorers' time on their share, and the wait after generation
+        out["time/reward"] = noise(params.reward_sample_s * w.samples / layout.train_pool)
+        out["time/reward_wait"] = noise(pt.reward)
+    return out
 
 
-def drive(planner: AutoPlanner, steps: int, params_at=lambda step: TRUE, seed: int = 0):
+def drive(planner: AutoPlanner, steps: int, params_at=lambda step: TRUE, seed: int = 0, tail: float = 1.0):
     """Run the planner like the driver does: a switch stops the gang and resumes at that step."""
     rng = random.Random(seed)
     decisions, layouts = [], {}
     for step in range(1, steps + 1):
         layouts[step] = planner.layout
-        for d in planner.observe(step, measured(params_at(step), planner.layout, rng), now=0.0):
+        for d in planner.observe(step, measured(params_at(step), planner.layout, rng, tail=tail), now=0.0):
             decisions.append(d)
         if planner.pending is not None:
             planner.switched(planner.pending, step)
@@ -192,3 +200,51 @@ def test_slow_decode_spec_per_step_per_token_and_shifting_twice():
     assert decode_delay_s(10, samples, "") == 0.0
     with pytest.raises(ValueError, match="YATT_SLOW_DECODE"):
         decode_delay_s(10, samples, "10:fast")
+
+
+# A reward model that costs 10 ms a sample, and responses with a long tail (the longest of 128 is
+# 16× their mean): scoring can hide in the tail, where a device waits for the step's longest one.
+SLOW_REWARD_MODEL = replace(TRUE, reward_sample_s=0.01)
+PARTIAL = Layout("partial_colocate", 2, reward_devices=2)
+
+
+def test_candidates_include_partial_colocate_only_when_the_reward_is_a_model():
+    rule = cfg()
+    model = cfg_with_reward_model()
+    assert {lay.mode for lay, _ in candidate_layouts(rule)} == {"colocate", "disaggregated"}
+    partial = [lay for lay, _ in candidate_layouts(model) if lay.mode == "partial_colocate"]
+    assert [lay.scoring_pool for lay in partial] == [1, 2]
+    concrete = layout_config(model, partial[0])
+    assert concrete.placement.mode == "partial_colocate" and concrete.placement.reward_devices == 1
+    assert plan_placement(concrete, device_type="cpu").reward_devices == [0]
+
+
+def cfg_with_reward_model(**placement):
+    c = cfg(**placement).model_dump()
+    c["reward"] = {"kind": "model", "model_path": "/nonexistent/reward-model"}
+    return parse_config(c)
+
+
+def test_auto_chooses_partial_colocate_when_measured_scoring_makes_it_fastest():
+    planner = AutoPlanner(cfg_with_reward_model(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 80, params_at=lambda s: SLOW_REWARD_MODEL, tail=16)
+    initial = next(d for d in decisions if d.kind == "initial")
+    preds = {p["plan"]: p["predicted_step_s"] for p in initial.predictions}
+    assert min(preds, key=preds.get) == "partial_colocate 2 scoring / 2"
+    assert layouts[80] == PARTIAL
+    # what the planner predicted is what the true model gives (the fit saw scoring in two modes)
+    w = Workload(16, 8, LengthDist.from_mean_max(5, 80, 128), 8, 4e6)
+    truth = {lay: phase_times(SLOW_REWARD_MODEL, w, lay).step for lay in (COLOCATE, DISAGG, PARTIAL)}
+    assert truth[PARTIAL] < 0.9 * min(truth[COLOCATE], truth[DISAGG])
+    assert preds["partial_colocate 2 scoring / 2"] == pytest.approx(truth[PARTIAL], rel=0.1)
+    measured_partial = [d for d in decisions if d.kind == "measured" and d.chosen == PARTIAL]
+    assert measured_partial and measured_partial[-1].measured_step_s < 0.9 * truth[COLOCATE]
+    # the event names the scoring devices
+    assert initial.to_event()["chosen"]["reward_devices"] == 2
+
+
+def test_a_rule_reward_never_plans_partial_colocate_on_the_same_phase_times():
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 80, params_at=lambda s: SLOW_REWARD_MODEL, tail=16)
+    assert all(lay.mode != "partial_colocate" for lay in layouts.values())
+    assert all(p["mode"] != "partial_colocate" for d in decisions for p in d.predictions)

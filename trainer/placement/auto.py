@@ -21,8 +21,8 @@ plan, resume). Phases of a run:
    measured step time of the new plan is reported; a switch that measured slower than the plan
    it left is reverted.
 
-Candidates come from `CANDIDATE_FAMILIES`, one entry per mode: `partial_colocate` joins by adding
-its function there.
+Candidates come from `CANDIDATE_FAMILIES`, one entry per mode: colocate, disaggregated with every
+split, and partial_colocate with every number of scoring devices when the reward is a model.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from trainer.placement.cost_model import (
     PhaseTimes,
     StepObservation,
     fit,
+    measured_phase,
     phase_times,
 )
 
@@ -61,14 +62,27 @@ def _disaggregated(cfg: TrainerConfig) -> list[Layout]:
             for r in range(1, d)]
 
 
-# One entry per placement mode auto may choose; partial_colocate adds its own here.
-CANDIDATE_FAMILIES: tuple[Callable[[TrainerConfig], list[Layout]], ...] = (_colocate, _disaggregated)
+def _partial_colocate(cfg: TrainerConfig) -> list[Layout]:
+    # only a reward model makes scoring cost enough to hide; a rule scores in microseconds
+    if cfg.reward.kind != "model":
+        return []
+    d = cfg.placement.devices
+    return [Layout("partial_colocate", d, reward_devices=k, staleness=cfg.placement.staleness)
+            for k in range(1, d + 1)]
+
+
+# One entry per placement mode auto may choose.
+CANDIDATE_FAMILIES: tuple[Callable[[TrainerConfig], list[Layout]], ...] = (
+    _colocate, _disaggregated, _partial_colocate)
 
 
 def layout_label(layout: Layout) -> str:
-    """How a plan is named in events: `colocate`, `disaggregated 1 rollout / 1 train`."""
+    """How a plan is named in events: `colocate`, `disaggregated 1 rollout / 1 train`,
+    `partial_colocate 1 scoring / 2`."""
     if layout.mode == "disaggregated":
         return f"disaggregated {layout.rollout_pool} rollout / {layout.train_pool} train"
+    if layout.mode == "partial_colocate":
+        return f"partial_colocate {layout.scoring_pool} scoring / {layout.devices}"
     return layout.mode
 
 
@@ -77,6 +91,8 @@ def layout_config(cfg: TrainerConfig, layout: Layout) -> TrainerConfig:
     data = cfg.model_dump()
     data["placement"]["mode"] = layout.mode
     data["placement"]["rollout_devices"] = layout.rollout_devices if layout.mode == "disaggregated" else None
+    if layout.mode == "partial_colocate":
+        data["placement"]["reward_devices"] = layout.scoring_pool
     return parse_config(data)
 
 
@@ -156,7 +172,8 @@ class Decision:
 def _layout_dict(layout: Layout) -> dict[str, Any]:
     return {"mode": layout.mode, "devices": layout.devices,
             "rollout_devices": layout.rollout_pool if layout.mode == "disaggregated" else None,
-            "train_devices": layout.train_pool}
+            "train_devices": layout.train_pool,
+            "reward_devices": layout.scoring_pool if layout.mode == "partial_colocate" else None}
 
 
 def _prediction_event(p: dict[str, Any]) -> dict[str, Any]:
@@ -260,7 +277,7 @@ class AutoPlanner:
         self.anchor_step = step
         if len(recent) < max(2, self.replan_every // 2) or self.anchor is None:
             return []
-        measured = {k: _mean([o.get(f"time/{k}") for o in recent]) for k in (*PHASES, "step")}
+        measured = {k: _mean([measured_phase(o, k) for o in recent]) for k in (*PHASES, "step")}
         pred = self.anchor.as_dict()
         scale = max(pred["step"], 1e-9)
         drift = max(abs(measured[k] - pred[k]) for k in (*PHASES, "step")) / scale
@@ -378,6 +395,7 @@ class AutoPlanner:
             pt = phase_times(params, workload, layout)
             out.append({"layout": layout, "plan": layout_label(layout), "mode": layout.mode,
                         "rollout_devices": layout.rollout_pool if layout.mode == "disaggregated" else None,
+                        "reward_devices": layout.scoring_pool if layout.mode == "partial_colocate" else None,
                         "predicted_step_s": round(pt.step, 4) if math.isfinite(pt.step) else None,
                         "fits": fits, "phases": pt})
         for p in out:
