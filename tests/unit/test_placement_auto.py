@@ -47,13 +47,15 @@ def measured(params: CostParams, layout: Layout, rng: random.Random, *,
     return out
 
 
-def drive(planner: AutoPlanner, steps: int, params_at=lambda step: TRUE, seed: int = 0, tail: float = 1.0):
+def drive(planner: AutoPlanner, steps: int, params_at=lambda step: TRUE, seed: int = 0,
+          tail_at=lambda step: 1.0):
     """Run the planner like the driver does: a switch stops the gang and resumes at that step."""
     rng = random.Random(seed)
     decisions, layouts = [], {}
     for step in range(1, steps + 1):
         layouts[step] = planner.layout
-        for d in planner.observe(step, measured(params_at(step), planner.layout, rng, tail=tail), now=0.0):
+        metrics = measured(params_at(step), planner.layout, rng, tail=tail_at(step))
+        for d in planner.observe(step, metrics, now=0.0):
             decisions.append(d)
         if planner.pending is not None:
             planner.switched(planner.pending, step)
@@ -106,11 +108,43 @@ def test_a_workload_shift_re_plans_to_the_plan_that_is_now_faster():
     replan = [d for d in decisions if d.kind == "replan"]
     assert replan and replan[0].switch and replan[0].chosen == DISAGG and replan[0].step > 60
     assert replan[0].drift > planner.drift_threshold and "drifted" in replan[0].reason
+    # only generation slowed: not a machine-wide change, so the model was refitted, not rescaled
+    assert "speed_factor" not in replan[0].extra and replan[0].extra["work_change"] < 0.2
     assert replan[0].extra["gain"] >= planner.min_gain
     assert layouts[140] == DISAGG
     event = replan[0].to_event()
     assert event["switch"] and event["plan"] == "disaggregated 1 rollout / 1 train"
     assert {c["plan"] for c in event["candidates"]} == {"colocate", "disaggregated 1 rollout / 1 train"}
+
+
+def slower(p: CostParams, factor: float) -> CostParams:
+    """The same machine `factor` times slower at everything (another job took its cores)."""
+    return replace(p, **{f: getattr(p, f) * factor for f in ("gen_fixed_s", "gen_step_s", "gen_token_s",
+                                                            "reward_sample_s", "train_fixed_s",
+                                                            "train_token_s", "sync_fixed_s")})
+
+
+def test_a_machine_wide_slowdown_keeps_the_plan_and_says_why():
+    # every phase twice as slow on the same work moves every plan alike: no reason to switch (a
+    # refit beside the other plan's old, fast steps used to predict it 11% faster and switch)
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 140, params_at=lambda s: slower(TRUE, 2.0) if s > 60 else TRUE)
+    assert layouts[60] == COLOCATE and all(layouts[s] == COLOCATE for s in range(60, 141))
+    kept = [d for d in decisions if d.kind == "kept" and d.step > 60]
+    assert kept and not any(d.switch for d in decisions if d.step > 60)
+    assert kept[0].extra["speed_factor"] == pytest.approx(2.0, rel=0.15)
+    assert kept[0].extra["work_change"] < 0.2 and "machine's speed" in kept[0].reason
+
+
+def test_responses_growing_a_long_tail_re_plan_for_the_work():
+    # the same machine; from step 60 the longest of 128 responses is 40× their mean instead of
+    # their mean: generation waits for the tail, and overlapping it with training now pays
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 140, tail_at=lambda s: 40.0 if s > 60 else 1.0)
+    assert layouts[60] == COLOCATE
+    replan = [d for d in decisions if d.kind == "replan" and d.switch]
+    assert replan and replan[0].chosen == DISAGG and replan[0].step > 60 and layouts[140] == DISAGG
+    assert replan[0].extra["work_change"] > 1.0 and "the work changed" in replan[0].reason
 
 
 def test_a_gain_below_the_threshold_is_kept_and_rate_limited():
@@ -227,7 +261,8 @@ def cfg_with_reward_model(**placement):
 
 def test_auto_chooses_partial_colocate_when_measured_scoring_makes_it_fastest():
     planner = AutoPlanner(cfg_with_reward_model(), param_bytes=4e6)
-    decisions, layouts = drive(planner, 80, params_at=lambda s: SLOW_REWARD_MODEL, tail=16)
+    decisions, layouts = drive(planner, 80, params_at=lambda s: SLOW_REWARD_MODEL,
+                                 tail_at=lambda s: 16)
     initial = next(d for d in decisions if d.kind == "initial")
     preds = {p["plan"]: p["predicted_step_s"] for p in initial.predictions}
     assert min(preds, key=preds.get) == "partial_colocate 2 scoring / 2"
@@ -245,6 +280,7 @@ def test_auto_chooses_partial_colocate_when_measured_scoring_makes_it_fastest():
 
 def test_a_rule_reward_never_plans_partial_colocate_on_the_same_phase_times():
     planner = AutoPlanner(cfg(), param_bytes=4e6)
-    decisions, layouts = drive(planner, 80, params_at=lambda s: SLOW_REWARD_MODEL, tail=16)
+    decisions, layouts = drive(planner, 80, params_at=lambda s: SLOW_REWARD_MODEL,
+                                 tail_at=lambda s: 16)
     assert all(lay.mode != "partial_colocate" for lay in layouts.values())
     assert all(p["mode"] != "partial_colocate" for d in decisions for p in d.predictions)
