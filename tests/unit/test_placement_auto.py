@@ -208,17 +208,24 @@ def test_a_switch_that_measures_slower_is_reverted_once():
     planner = AutoPlanner(cfg(), param_bytes=4e6)
     decisions, layouts = drive(planner, 40)
     assert layouts[40] == COLOCATE
-    planner._decide("replan", 40, DISAGG, [], "test: a wrong prediction", predicted=0.1)
+    wrong = [{**p, "predicted_step_s": 0.1} if p["layout"] == DISAGG else p
+             for p in planner._predictions(planner.params, planner._recent(COLOCATE, 4))]
+    planner._decide("replan", 40, DISAGG, wrong, "test: a wrong prediction", predicted=0.1)
     planner.switched(DISAGG, 40)
     rng = random.Random(1)
     after = []
-    for step in range(41, 80):
+    for step in range(41, 120):
         after += planner.observe(step, measured(TRUE, planner.layout, rng), now=0.0)
         if planner.pending is not None:
             planner.switched(planner.pending, step)
     reverts = [d for d in after if d.kind == "replan" and d.switch]
     assert len(reverts) == 1 and reverts[0].chosen == COLOCATE and "switching back" in reverts[0].reason
     assert planner.layout == COLOCATE
+    # back on colocate, the checks compare with what colocate measured, not with the prediction
+    # for the plan it left: the steady workload drifts nowhere
+    later = [c for c in planner.checks if c["step"] > reverts[0].step]
+    assert len(later) >= 3 and all(c["drift"] < planner.drift_threshold for c in later)
+    assert not [d for d in after if d.step > reverts[0].step and d.kind in ("kept", "replan")]
 
 
 def test_slow_decode_spec_per_step_per_token_and_shifting_twice():

@@ -203,6 +203,14 @@ def _work_change(before: dict[str, float], after: dict[str, float]) -> float:
     return max((abs(after[k] - v) / v for k, v in before.items() if v > 0 and k in after), default=0.0)
 
 
+def _measured_times(obs: list[StepObservation]) -> PhaseTimes:
+    """The mean measured phase times of `obs` (steps of one plan), as a prediction to compare with."""
+    m = {k: _mean([measured_phase(o, k) for o in obs])
+         for k in ("rollout", "reward", "reference", "train", "weight_sync", "step")}
+    return PhaseTimes(m["rollout"], m["reward"], m["reference"], m["train"], m["weight_sync"],
+                      offload=0.0, overhead=0.0, step=m["step"])
+
+
 def _gap(measured: dict[str, float], pred: PhaseTimes) -> float:
     """The largest gap between a measured phase (or the step) and its prediction, relative to the
     predicted step time."""
@@ -395,6 +403,10 @@ class AutoPlanner:
                                     "before the switch: switching back",
                                     predicted=left[1], measured=measured))
             self._left = None  # a revert is not itself reverted: no ping-pong on noisy steps
+            # the model was wrong here: later checks compare against what the plan measured
+            back_obs = self._recent(back, self.profile_steps)
+            if back_obs:
+                self.anchor, self.anchor_work = _measured_times(back_obs), _work(back_obs)
         return out
 
     # ------------------------------------------------------------------ choosing
