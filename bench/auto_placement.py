@@ -94,7 +94,8 @@ def main() -> None:
     for mode in ("colocate", "disaggregated"):
         fixed[mode] = args.out / mode
         train(fixed[mode], [f"placement.mode={mode}", f"model.path={auto / 'final'}",
-                            "algorithm.warm_start.steps=0", f"train.max_steps={args.fixed_steps}"],
+                            "algorithm.warm_start.steps=0", "algorithm.warm_start.target_accuracy=null",
+                            f"train.max_steps={args.fixed_steps}"],
               args.fixed_shift)
         loads.append(load_avg())
     rows = []

@@ -27,7 +27,8 @@ def _recorded_steps(rng: random.Random, noise: float) -> list[StepObservation]:
     """Steps as the driver would report them, made from TRUE with multiplicative noise."""
     obs = []
     layouts = [Layout("colocate", 2), Layout("colocate", 4), Layout("disaggregated", 2),
-               Layout("disaggregated", 4, rollout_devices=3), Layout("disaggregated", 4)]
+               Layout("disaggregated", 4, rollout_devices=3), Layout("disaggregated", 4),
+               Layout("partial_colocate", 4, reward_devices=1), Layout("partial_colocate", 2, reward_devices=2)]
     for layout in layouts:
         for param_bytes in (8e7, 3e8):
             for _ in range(8):
@@ -49,6 +50,11 @@ def _recorded_steps(rng: random.Random, noise: float) -> list[StepObservation]:
                 metrics.update({"time/rollout": jitter(pt.rollout), "time/reward": jitter(pt.reward),
                                 "time/reference": jitter(pt.reference), "time/train": jitter(pt.train),
                                 "time/weight_sync": jitter(pt.weight_sync), "time/step": jitter(pt.step)})
+                if layout.mode == "partial_colocate":
+                    # as the controllers report it: the scorers' time on one rank's share of the
+                    # samples, and the scoring the step still waited for after generation
+                    metrics["time/reward"] = jitter(TRUE.reward_sample_s * samples / layout.train_pool)
+                    metrics["time/reward_wait"] = jitter(pt.reward)
                 obs.append(o)
     return obs
 
@@ -62,7 +68,8 @@ def test_fit_recovers_known_parameters_from_recorded_steps():
         assert getattr(got, name) == pytest.approx(want, rel=0.08), name
     assert got.overhead_s == pytest.approx(TRUE.overhead_s, abs=0.03)
     assert result.step_error < 0.03
-    assert result.observations == 80
+    assert result.observations == 112
+    assert result.by_mode["partial_colocate"]["error"] == pytest.approx(0.0, abs=0.03)
     metrics = result.as_metrics()
     assert metrics["placement/cost/sync_link_GBps"] == pytest.approx(0.1, rel=0.08)
     assert "placement/fit/step_error" in metrics

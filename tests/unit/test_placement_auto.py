@@ -27,25 +27,35 @@ def cfg(**placement):
                                        "replan_every": 10, **placement}})
 
 
-def measured(params: CostParams, layout: Layout, rng: random.Random) -> dict[str, float]:
-    """One step's metrics as the driver combines them, from `params` with 2% noise."""
+def measured(params: CostParams, layout: Layout, rng: random.Random, *,
+             tail: float = 1.0) -> dict[str, float]:
+    """One step's metrics as the driver combines them, from `params` with 2% noise; the longest
+    of the 128 responses is `tail` × their mean."""
     mean = rng.uniform(4, 6)
-    w = Workload(prompts=16, n=8, response=LengthDist(mean), prompt_tokens=8, param_bytes=4e6)
+    w = Workload(prompts=16, n=8, response=LengthDist.from_mean_max(mean, mean * tail, 128),
+                 prompt_tokens=8, param_bytes=4e6)
     pt = phase_times(params, w, layout)
     noise = lambda x: x * rng.uniform(0.98, 1.02)  # noqa: E731
-    return {"time/step": noise(pt.step), "time/rollout": noise(pt.rollout), "time/reward": noise(pt.reward),
-            "time/train": noise(pt.train), "time/weight_sync": noise(pt.weight_sync),
-            "time/reference": 0.0, "tokens/generated": w.gen_tokens, "tokens/trained": w.train_tokens,
-            "response/length_mean": mean, "response/length_max": mean}
+    out = {"time/step": noise(pt.step), "time/rollout": noise(pt.rollout), "time/reward": noise(pt.reward),
+           "time/train": noise(pt.train), "time/weight_sync": noise(pt.weight_sync),
+           "time/reference": 0.0, "tokens/generated": w.gen_tokens, "tokens/trained": w.train_tokens,
+           "response/length_mean": mean, "response/length_max": w.response.expected_max(w.samples)}
+    if layout.mode == "partial_colocate":
+        # the controllers report the scorers' time on their share, and the wait after generation
+        out["time/reward"] = noise(params.reward_sample_s * w.samples / layout.train_pool)
+        out["time/reward_wait"] = noise(pt.reward)
+    return out
 
 
-def drive(planner: AutoPlanner, steps: int, params_at=lambda step: TRUE, seed: int = 0):
+def drive(planner: AutoPlanner, steps: int, params_at=lambda step: TRUE, seed: int = 0,
+          tail_at=lambda step: 1.0):
     """Run the planner like the driver does: a switch stops the gang and resumes at that step."""
     rng = random.Random(seed)
     decisions, layouts = [], {}
     for step in range(1, steps + 1):
         layouts[step] = planner.layout
-        for d in planner.observe(step, measured(params_at(step), planner.layout, rng), now=0.0):
+        metrics = measured(params_at(step), planner.layout, rng, tail=tail_at(step))
+        for d in planner.observe(step, metrics, now=0.0):
             decisions.append(d)
         if planner.pending is not None:
             planner.switched(planner.pending, step)
@@ -98,11 +108,43 @@ def test_a_workload_shift_re_plans_to_the_plan_that_is_now_faster():
     replan = [d for d in decisions if d.kind == "replan"]
     assert replan and replan[0].switch and replan[0].chosen == DISAGG and replan[0].step > 60
     assert replan[0].drift > planner.drift_threshold and "drifted" in replan[0].reason
+    # only generation slowed: not a machine-wide change, so the model was refitted, not rescaled
+    assert "speed_factor" not in replan[0].extra and replan[0].extra["work_change"] < 0.2
     assert replan[0].extra["gain"] >= planner.min_gain
     assert layouts[140] == DISAGG
     event = replan[0].to_event()
     assert event["switch"] and event["plan"] == "disaggregated 1 rollout / 1 train"
     assert {c["plan"] for c in event["candidates"]} == {"colocate", "disaggregated 1 rollout / 1 train"}
+
+
+def slower(p: CostParams, factor: float) -> CostParams:
+    """The same machine `factor` times slower at everything (another job took its cores)."""
+    return replace(p, **{f: getattr(p, f) * factor for f in ("gen_fixed_s", "gen_step_s", "gen_token_s",
+                                                            "reward_sample_s", "train_fixed_s",
+                                                            "train_token_s", "sync_fixed_s")})
+
+
+def test_a_machine_wide_slowdown_keeps_the_plan_and_says_why():
+    # every phase twice as slow on the same work moves every plan alike: no reason to switch (a
+    # refit beside the other plan's old, fast steps used to predict it 11% faster and switch)
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 140, params_at=lambda s: slower(TRUE, 2.0) if s > 60 else TRUE)
+    assert layouts[60] == COLOCATE and all(layouts[s] == COLOCATE for s in range(60, 141))
+    kept = [d for d in decisions if d.kind == "kept" and d.step > 60]
+    assert kept and not any(d.switch for d in decisions if d.step > 60)
+    assert kept[0].extra["speed_factor"] == pytest.approx(2.0, rel=0.15)
+    assert kept[0].extra["work_change"] < 0.2 and "machine's speed" in kept[0].reason
+
+
+def test_responses_growing_a_long_tail_re_plan_for_the_work():
+    # the same machine; from step 60 the longest of 128 responses is 40× their mean instead of
+    # their mean: generation waits for the tail, and overlapping it with training now pays
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 140, tail_at=lambda s: 40.0 if s > 60 else 1.0)
+    assert layouts[60] == COLOCATE
+    replan = [d for d in decisions if d.kind == "replan" and d.switch]
+    assert replan and replan[0].chosen == DISAGG and replan[0].step > 60 and layouts[140] == DISAGG
+    assert replan[0].extra["work_change"] > 1.0 and "the work changed" in replan[0].reason
 
 
 def test_a_gain_below_the_threshold_is_kept_and_rate_limited():
@@ -166,17 +208,24 @@ def test_a_switch_that_measures_slower_is_reverted_once():
     planner = AutoPlanner(cfg(), param_bytes=4e6)
     decisions, layouts = drive(planner, 40)
     assert layouts[40] == COLOCATE
-    planner._decide("replan", 40, DISAGG, [], "test: a wrong prediction", predicted=0.1)
+    wrong = [{**p, "predicted_step_s": 0.1} if p["layout"] == DISAGG else p
+             for p in planner._predictions(planner.params, planner._recent(COLOCATE, 4))]
+    planner._decide("replan", 40, DISAGG, wrong, "test: a wrong prediction", predicted=0.1)
     planner.switched(DISAGG, 40)
     rng = random.Random(1)
     after = []
-    for step in range(41, 80):
+    for step in range(41, 120):
         after += planner.observe(step, measured(TRUE, planner.layout, rng), now=0.0)
         if planner.pending is not None:
             planner.switched(planner.pending, step)
     reverts = [d for d in after if d.kind == "replan" and d.switch]
     assert len(reverts) == 1 and reverts[0].chosen == COLOCATE and "switching back" in reverts[0].reason
     assert planner.layout == COLOCATE
+    # back on colocate, the checks compare with what colocate measured, not with the prediction
+    # for the plan it left: the steady workload drifts nowhere
+    later = [c for c in planner.checks if c["step"] > reverts[0].step]
+    assert len(later) >= 3 and all(c["drift"] < planner.drift_threshold for c in later)
+    assert not [d for d in after if d.step > reverts[0].step and d.kind in ("kept", "replan")]
 
 
 def test_slow_decode_spec_per_step_per_token_and_shifting_twice():
@@ -192,3 +241,53 @@ def test_slow_decode_spec_per_step_per_token_and_shifting_twice():
     assert decode_delay_s(10, samples, "") == 0.0
     with pytest.raises(ValueError, match="YATT_SLOW_DECODE"):
         decode_delay_s(10, samples, "10:fast")
+
+
+# A reward model that costs 10 ms a sample, and responses with a long tail (the longest of 128 is
+# 16× their mean): scoring can hide in the tail, where a device waits for the step's longest one.
+SLOW_REWARD_MODEL = replace(TRUE, reward_sample_s=0.01)
+PARTIAL = Layout("partial_colocate", 2, reward_devices=2)
+
+
+def test_candidates_include_partial_colocate_only_when_the_reward_is_a_model():
+    rule = cfg()
+    model = cfg_with_reward_model()
+    assert {lay.mode for lay, _ in candidate_layouts(rule)} == {"colocate", "disaggregated"}
+    partial = [lay for lay, _ in candidate_layouts(model) if lay.mode == "partial_colocate"]
+    assert [lay.scoring_pool for lay in partial] == [1, 2]
+    concrete = layout_config(model, partial[0])
+    assert concrete.placement.mode == "partial_colocate" and concrete.placement.reward_devices == 1
+    assert plan_placement(concrete, device_type="cpu").reward_devices == [0]
+
+
+def cfg_with_reward_model(**placement):
+    c = cfg(**placement).model_dump()
+    c["reward"] = {"kind": "model", "model_path": "/nonexistent/reward-model"}
+    return parse_config(c)
+
+
+def test_auto_chooses_partial_colocate_when_measured_scoring_makes_it_fastest():
+    planner = AutoPlanner(cfg_with_reward_model(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 80, params_at=lambda s: SLOW_REWARD_MODEL,
+                                 tail_at=lambda s: 16)
+    initial = next(d for d in decisions if d.kind == "initial")
+    preds = {p["plan"]: p["predicted_step_s"] for p in initial.predictions}
+    assert min(preds, key=preds.get) == "partial_colocate 2 scoring / 2"
+    assert layouts[80] == PARTIAL
+    # what the planner predicted is what the true model gives (the fit saw scoring in two modes)
+    w = Workload(16, 8, LengthDist.from_mean_max(5, 80, 128), 8, 4e6)
+    truth = {lay: phase_times(SLOW_REWARD_MODEL, w, lay).step for lay in (COLOCATE, DISAGG, PARTIAL)}
+    assert truth[PARTIAL] < 0.9 * min(truth[COLOCATE], truth[DISAGG])
+    assert preds["partial_colocate 2 scoring / 2"] == pytest.approx(truth[PARTIAL], rel=0.1)
+    measured_partial = [d for d in decisions if d.kind == "measured" and d.chosen == PARTIAL]
+    assert measured_partial and measured_partial[-1].measured_step_s < 0.9 * truth[COLOCATE]
+    # the event names the scoring devices
+    assert initial.to_event()["chosen"]["reward_devices"] == 2
+
+
+def test_a_rule_reward_never_plans_partial_colocate_on_the_same_phase_times():
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 80, params_at=lambda s: SLOW_REWARD_MODEL,
+                                 tail_at=lambda s: 16)
+    assert all(lay.mode != "partial_colocate" for lay in layouts.values())
+    assert all(p["mode"] != "partial_colocate" for d in decisions for p in d.predictions)

@@ -16,13 +16,17 @@ plan, resume). Phases of a run:
    loaded 2-core machine a switch costs minutes, which a short run never earns back.
 3. re-plan: every `placement.replan_every` steps the measured phase times of the current plan are
    compared with the prediction of the last decision. When they drift by more than
-   `placement.replan_drift` (of the step time), the model is refitted on the recent steps and the
-   candidates compared again: a switch, or "kept" when the gain is too small. After a switch the
-   measured step time of the new plan is reported; a switch that measured slower than the plan
-   it left is reverted.
+   `placement.replan_drift` (of the step time), the check says why — how much the work per step
+   changed (tokens, response lengths) and how far the model is off on the work done now — and
+   updates the model by the cause: the work changed and the model predicts it → the same model;
+   every phase took the same factor longer for its work (the machine's speed or load) → the model
+   rescaled by that factor, which moves every plan alike; otherwise → refitted on the recent
+   steps. Then the candidates are compared again on the current work: a switch, or "kept" when
+   the gain is too small. After a switch the measured step time of the new plan is reported; a
+   switch that measured slower than the plan it left is reverted.
 
-Candidates come from `CANDIDATE_FAMILIES`, one entry per mode: `partial_colocate` joins by adding
-its function there.
+Candidates come from `CANDIDATE_FAMILIES`, one entry per mode: colocate, disaggregated with every
+split, and partial_colocate with every number of scoring devices when the reward is a model.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from trainer.config import ConfigError, TrainerConfig, parse_config
@@ -40,6 +44,7 @@ from trainer.placement.cost_model import (
     PhaseTimes,
     StepObservation,
     fit,
+    measured_phase,
     phase_times,
 )
 
@@ -61,14 +66,27 @@ def _disaggregated(cfg: TrainerConfig) -> list[Layout]:
             for r in range(1, d)]
 
 
-# One entry per placement mode auto may choose; partial_colocate adds its own here.
-CANDIDATE_FAMILIES: tuple[Callable[[TrainerConfig], list[Layout]], ...] = (_colocate, _disaggregated)
+def _partial_colocate(cfg: TrainerConfig) -> list[Layout]:
+    # only a reward model makes scoring cost enough to hide; a rule scores in microseconds
+    if cfg.reward.kind != "model":
+        return []
+    d = cfg.placement.devices
+    return [Layout("partial_colocate", d, reward_devices=k, staleness=cfg.placement.staleness)
+            for k in range(1, d + 1)]
+
+
+# One entry per placement mode auto may choose.
+CANDIDATE_FAMILIES: tuple[Callable[[TrainerConfig], list[Layout]], ...] = (
+    _colocate, _disaggregated, _partial_colocate)
 
 
 def layout_label(layout: Layout) -> str:
-    """How a plan is named in events: `colocate`, `disaggregated 1 rollout / 1 train`."""
+    """How a plan is named in events: `colocate`, `disaggregated 1 rollout / 1 train`,
+    `partial_colocate 1 scoring / 2`."""
     if layout.mode == "disaggregated":
         return f"disaggregated {layout.rollout_pool} rollout / {layout.train_pool} train"
+    if layout.mode == "partial_colocate":
+        return f"partial_colocate {layout.scoring_pool} scoring / {layout.devices}"
     return layout.mode
 
 
@@ -77,6 +95,8 @@ def layout_config(cfg: TrainerConfig, layout: Layout) -> TrainerConfig:
     data = cfg.model_dump()
     data["placement"]["mode"] = layout.mode
     data["placement"]["rollout_devices"] = layout.rollout_devices if layout.mode == "disaggregated" else None
+    if layout.mode == "partial_colocate":
+        data["placement"]["reward_devices"] = layout.scoring_pool
     return parse_config(data)
 
 
@@ -156,7 +176,8 @@ class Decision:
 def _layout_dict(layout: Layout) -> dict[str, Any]:
     return {"mode": layout.mode, "devices": layout.devices,
             "rollout_devices": layout.rollout_pool if layout.mode == "disaggregated" else None,
-            "train_devices": layout.train_pool}
+            "train_devices": layout.train_pool,
+            "reward_devices": layout.scoring_pool if layout.mode == "partial_colocate" else None}
 
 
 def _prediction_event(p: dict[str, Any]) -> dict[str, Any]:
@@ -167,6 +188,64 @@ def _prediction_event(p: dict[str, Any]) -> dict[str, Any]:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+# What a step's work is made of: the cost model's drivers, as the controllers report them.
+WORK_KEYS = ("tokens/generated", "tokens/trained", "response/length_mean", "response/length_max")
+
+
+def _work(obs: list[StepObservation]) -> dict[str, float]:
+    return {k: _mean([o.get(k) for o in obs]) for k in WORK_KEYS}
+
+
+def _work_change(before: dict[str, float], after: dict[str, float]) -> float:
+    """The largest relative change of any driver of the work per step."""
+    return max((abs(after[k] - v) / v for k, v in before.items() if v > 0 and k in after), default=0.0)
+
+
+def _measured_times(obs: list[StepObservation]) -> PhaseTimes:
+    """The mean measured phase times of `obs` (steps of one plan), as a prediction to compare with."""
+    m = {k: _mean([measured_phase(o, k) for o in obs])
+         for k in ("rollout", "reward", "reference", "train", "weight_sync", "step")}
+    return PhaseTimes(m["rollout"], m["reward"], m["reference"], m["train"], m["weight_sync"],
+                      offload=0.0, overhead=0.0, step=m["step"])
+
+
+def _gap(measured: dict[str, float], pred: PhaseTimes) -> float:
+    """The largest gap between a measured phase (or the step) and its prediction, relative to the
+    predicted step time."""
+    p = pred.as_dict()
+    return max(abs(measured[k] - p[k]) for k in (*PHASES, "step")) / max(p["step"], 1e-9)
+
+
+def _scaled(p: CostParams, factor: float) -> CostParams:
+    """`p` on a device `factor` times slower: every time term × factor, every bandwidth ÷ factor."""
+    out = replace(p)
+    for f in fields(CostParams):
+        v = getattr(p, f.name)
+        if f.name.endswith("_s"):
+            setattr(out, f.name, v * factor)
+        elif f.name.endswith("_Bps"):
+            setattr(out, f.name, v / factor)
+    return out
+
+
+def _cause_text(cause: dict[str, float], threshold: float) -> str:
+    work, err = cause.get("work_change"), cause.get("model_error")
+    if work is None or err is None:
+        return ""
+    speed = cause.get("speed_factor")
+    if speed is not None:
+        why = (f"every phase took ×{speed:.2f} the predicted time for its work: the machine's "
+               "speed or load changed, which moves every plan alike; the model is rescaled, not refitted")
+    elif err <= threshold:
+        why = "the work changed and the model predicts it"
+    elif work < threshold / 2:
+        why = "the same work takes a different time: the machine's speed or load changed, not the work"
+    else:
+        why = "the work changed and so did the time it takes"
+    return (f" (work per step changed {work:.0%}; at the work done now the model is off by "
+            f"{err:.0%}: {why})")
 
 
 class AutoPlanner:
@@ -190,7 +269,10 @@ class AutoPlanner:
         self.pending: Layout | None = None  # a switch asked for and not applied yet
         self.anchor: PhaseTimes | None = None  # the current plan's prediction at the last decision
         self.anchor_step = 0
+        self.anchor_work: dict[str, float] = {}  # the work per step the anchor was predicted for
+        self._pred_work: dict[str, float] = {}
         self.last_kept_step = -10**9
+        self.checks: list[dict[str, float]] = []  # every drift check: step, drift, its cause
         self.switches = 0
         self.switch_cost_s = DEFAULT_SWITCH_COST_S
         self._stopped_at: float | None = None  # when the last gang's final step was reported
@@ -260,23 +342,37 @@ class AutoPlanner:
         self.anchor_step = step
         if len(recent) < max(2, self.replan_every // 2) or self.anchor is None:
             return []
-        measured = {k: _mean([o.get(f"time/{k}") for o in recent]) for k in (*PHASES, "step")}
-        pred = self.anchor.as_dict()
-        scale = max(pred["step"], 1e-9)
-        drift = max(abs(measured[k] - pred[k]) for k in (*PHASES, "step")) / scale
+        measured = {k: _mean([measured_phase(o, k) for o in recent]) for k in (*PHASES, "step")}
+        drift = _gap(measured, self.anchor)
+        # why: did the work per step change, or the time the same work takes (load, a slower
+        # device)? The model as fitted at the last decision, on the work done now, tells them apart.
+        cause = {"work_change": _work_change(self.anchor_work, _work(recent))}
+        if self.params is not None:
+            cause["model_error"] = _gap(measured, self._predict(self.params, recent, self.layout))
+        self.checks.append({"step": step, "drift": drift, **cause})
         if drift <= self.drift_threshold:
             return []
-        # refit on what is true now: this plan's newest steps (the drift may have begun mid-window),
-        # and each other plan's newest ones
-        recent = recent[-max(4, self.replan_every // 2):]
-        window = list(recent)
-        for layout in {o.layout for o in self.obs} - {self.layout}:
-            window += self._recent(layout, self.profile_steps)
-        self.params = self._fit(window, prior=self.params)
+        recent = recent[-max(4, self.replan_every // 2):]  # the drift may have begun mid-window
+        speed = self._uniform_speed(recent)
+        if cause.get("model_error", math.inf) <= self.drift_threshold:
+            pass  # the work changed and the model predicts this plan on it: compare the plans on it
+        elif speed is not None:
+            # every phase that matters takes the same factor longer (or shorter) for its work: the
+            # machine's speed changed (load), which moves every plan alike. A refit on this plan's
+            # new steps beside the other plans' old ones would credit those with the old speed.
+            assert self.params is not None
+            self.params = _scaled(self.params, speed)
+            cause["speed_factor"] = speed
+        else:
+            # refit on what is true now: this plan's newest steps, and each other plan's newest ones
+            window = list(recent)
+            for layout in {o.layout for o in self.obs} - {self.layout}:
+                window += self._recent(layout, self.profile_steps)
+            self.params = self._fit(window, prior=self.params)
         preds = self._predictions(self.params, recent)
         fitting = [p for p in preds if p["fits"]]
         best = min(fitting, key=lambda p: p["predicted_step_s"])
-        d = self._choose("replan", step, preds, best, drift=drift, measured=measured["step"])
+        d = self._choose("replan", step, preds, best, drift=drift, measured=measured["step"], cause=cause)
         if not d.switch and step - self.last_kept_step < 3 * self.replan_every:
             return []  # "kept" is rate-limited; the check itself re-anchored the prediction
         if not d.switch:
@@ -307,11 +403,16 @@ class AutoPlanner:
                                     "before the switch: switching back",
                                     predicted=left[1], measured=measured))
             self._left = None  # a revert is not itself reverted: no ping-pong on noisy steps
+            # the model was wrong here: later checks compare against what the plan measured
+            back_obs = self._recent(back, self.profile_steps)
+            if back_obs:
+                self.anchor, self.anchor_work = _measured_times(back_obs), _work(back_obs)
         return out
 
     # ------------------------------------------------------------------ choosing
     def _choose(self, kind: str, step: int, preds: list[dict[str, Any]], best: dict[str, Any], *,
-                drift: float | None = None, measured: float | None = None) -> Decision:
+                drift: float | None = None, measured: float | None = None,
+                cause: dict[str, float] | None = None) -> Decision:
         current = next(p for p in preds if p["layout"] == self.layout)
         cur_s, best_s = current["predicted_step_s"], best["predicted_step_s"]
         gain = (cur_s - best_s) / cur_s if cur_s > 0 else 0.0
@@ -334,13 +435,14 @@ class AutoPlanner:
                       f"{cur_s:.3f} for {layout_label(self.layout)}: {gain:.1%} faster")
             chosen = best["layout"]
         if drift is not None:
-            reason = f"measured phase times drifted {drift:.0%} from the prediction; " + reason
+            reason = (f"measured phase times drifted {drift:.0%} from the prediction"
+                      f"{_cause_text(cause or {}, self.drift_threshold)}; " + reason)
         if kind == "replan" and chosen == self.layout:
             kind = "kept"
         return self._decide(kind, step, chosen, preds, reason, predicted=next(
             p["predicted_step_s"] for p in preds if p["layout"] == chosen),
             drift=drift, measured=measured, gain=gain,
-            switch_cost={"switch_cost_s": self.switch_cost_s, "saved_s": repaid})
+            switch_cost={"switch_cost_s": self.switch_cost_s, "saved_s": repaid, **(cause or {})})
 
     def _decide(self, kind: str, step: int, chosen: Layout, preds: list[dict[str, Any]], reason: str,
                 *, predicted: float | None = None, drift: float | None = None,
@@ -354,6 +456,8 @@ class AutoPlanner:
                      extra={**({"gain": gain} if gain is not None else {}), **(switch_cost or {})})
         times = {p["layout"]: p["phases"] for p in preds}
         self.anchor = times.get(chosen, self.anchor)
+        if preds:
+            self.anchor_work = self._pred_work
         self.anchor_step = step
         if d.switch:
             here = [o.get("time/step") for o in self._recent(self.layout, self.profile_steps)]
@@ -370,20 +474,45 @@ class AutoPlanner:
 
     def _predictions(self, params: CostParams, recent: list[StepObservation]) -> list[dict[str, Any]]:
         """Every candidate's predicted phase times on the mean workload of `recent` steps."""
-        keys = {k for o in recent for k in o.metrics}
-        mean_metrics = {k: _mean([o.get(k) for o in recent]) for k in keys}
-        workload = StepObservation(recent[-1].layout, self.param_bytes, mean_metrics).workload()
+        workload = self._workload(recent)
+        self._pred_work = _work(recent)
         out = []
         for layout, fits in self.candidates:
             pt = phase_times(params, workload, layout)
             out.append({"layout": layout, "plan": layout_label(layout), "mode": layout.mode,
                         "rollout_devices": layout.rollout_pool if layout.mode == "disaggregated" else None,
+                        "reward_devices": layout.scoring_pool if layout.mode == "partial_colocate" else None,
                         "predicted_step_s": round(pt.step, 4) if math.isfinite(pt.step) else None,
                         "fits": fits, "phases": pt})
         for p in out:
             if p["predicted_step_s"] is None:
                 p["fits"] = False
         return out
+
+    def _workload(self, recent: list[StepObservation]) -> Any:
+        keys = {k for o in recent for k in o.metrics}
+        mean_metrics = {k: _mean([o.get(k) for o in recent]) for k in keys}
+        return StepObservation(recent[-1].layout, self.param_bytes, mean_metrics).workload()
+
+    def _predict(self, params: CostParams, recent: list[StepObservation], layout: Layout) -> PhaseTimes:
+        return phase_times(params, self._workload(recent), layout)
+
+    def _uniform_speed(self, recent: list[StepObservation]) -> float | None:
+        """The factor by which every phase that matters (≥ 10% of the step) ran slower than the
+        model predicts for the work of `recent`, when they agree within `replan_drift` of each
+        other; None when fewer than two phases matter or they disagree (the shift is in one part
+        of the work, and only a refit can say which plan it favours)."""
+        if self.params is None:
+            return None
+        pred = self._predict(self.params, recent, self.layout).as_dict()
+        meas = {k: _mean([measured_phase(o, k) for o in recent]) for k in PHASES}
+        big = [k for k in PHASES if pred[k] >= 0.1 * pred["step"] and meas[k] > 0]
+        if len(big) < 2:
+            return None
+        factors = [meas[k] / pred[k] for k in big]
+        if max(factors) > min(factors) * (1 + self.drift_threshold):
+            return None
+        return sum(meas[k] for k in big) / sum(pred[k] for k in big)
 
     @staticmethod
     def _step_of(o: StepObservation) -> int:

@@ -43,6 +43,7 @@ __all__ = [
     "StepObservation",
     "Workload",
     "fit",
+    "measured_phase",
     "observations_from_metrics",
     "phase_times",
     "predict_step_time",
@@ -225,6 +226,14 @@ def _allreduce(p: CostParams, nbytes: float, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / p.allreduce_Bps
 
 
+def _streamed_scoring(p: CostParams, gen: float, own: float, score_all: float, scorers: int) -> float:
+    """partial_colocate: scoring time left after generation ends. A scoring device has no spare
+    capacity while it generates itself, so scoring hides only in the tail between its own last
+    response (`own`) and the step's longest one (`gen`); the step's last response is scored after
+    generation ends."""
+    return max(gen, own + score_all / scorers) + p.reward_sample_s - gen
+
+
 def phase_times(p: CostParams, w: Workload, layout: Layout) -> PhaseTimes:
     """Expected phase times and step time of `w` under `layout` (steady state)."""
     R, T, K = layout.rollout_pool, layout.train_pool, layout.scoring_pool
@@ -242,12 +251,9 @@ def phase_times(p: CostParams, w: Workload, layout: Layout) -> PhaseTimes:
         step = gen + reward + ref + train + sync + p.offload_s + p.overhead_s
         return PhaseTimes(gen, reward, ref, train, sync, p.offload_s, p.overhead_s, step)
     if layout.mode == "partial_colocate":
-        # Scorers take finished samples while the others still generate: scoring hides in the
-        # tail between a device's own last response and the step's longest one.
         own = _gen_time(p, seqs_r, w.response.expected_max(seqs_r), seqs_r * w.response.mean)
-        # ... and the step's last response is scored after generation ends
-        rollout_scored = max(gen, own + score_all / K) + p.reward_sample_s
-        reward = rollout_scored - gen
+        reward = _streamed_scoring(p, gen, own, score_all, K)
+        rollout_scored = gen + reward
         sync = _sync(p, w.param_bytes, local=True)
         step = rollout_scored + ref + train + sync + p.offload_s + p.overhead_s
         return PhaseTimes(gen, reward, ref, train, sync, p.offload_s, p.overhead_s, step)
@@ -371,8 +377,9 @@ def fit(obs: list[StepObservation], *, prior: CostParams | None = None) -> FitRe
         ys.append(o.get("time/rollout"))
     p.gen_fixed_s, p.gen_step_s, p.gen_token_s = _nnls(rows, ys)
     p.gen_concurrency = math.inf
-    # scoring: on the training controllers (rule rewards) or the scoring subset
-    rows = [[o.samples / o.layout.scoring_pool] for o in obs]
+    # scoring: every mode reports `time/reward` as the slowest rank's scoring of its own share
+    # of the samples, done by the rank itself or (partial_colocate) by the scorers it streams to
+    rows = [[o.samples / o.layout.train_pool] for o in obs]
     (p.reward_sample_s,) = _nnls(rows, [o.get("time/reward") for o in obs])
     # reference and training, per device
     with_ref = [o for o in obs if o.get("time/reference") > 0]
@@ -417,7 +424,7 @@ def fit(obs: list[StepObservation], *, prior: CostParams | None = None) -> FitRe
         pt = _phases_of(p, o)
         for k in pred_phase:
             pred_phase[k].append(getattr(pt, k))
-            meas_phase[k].append(o.get(f"time/{k}"))
+            meas_phase[k].append(measured_phase(o, k))
         pred_step.append(pt.step)
         meas_step.append(o.get("time/step"))
     by_mode: dict[str, dict[str, float]] = {}
@@ -430,6 +437,15 @@ def fit(obs: list[StepObservation], *, prior: CostParams | None = None) -> FitRe
     return FitResult(params=p, step_error=_rel_err(pred_step, meas_step),
                      phase_error={k: _rel_err(pred_phase[k], meas_phase[k]) for k in pred_phase},
                      observations=len(obs), by_mode=by_mode)
+
+
+def measured_phase(o: StepObservation, phase: str) -> float:
+    """The measured counterpart of PhaseTimes' `phase`: in partial_colocate the reward phase is
+    the scoring the step waited for after generation (`time/reward_wait`), not the scorers' busy
+    time, most of which hid under generation."""
+    if phase == "reward" and o.layout.mode == "partial_colocate":
+        return o.get("time/reward_wait")
+    return o.get(f"time/{phase}")
 
 
 def _phases_of(p: CostParams, o: StepObservation) -> PhaseTimes:
@@ -450,6 +466,11 @@ def _phases_of(p: CostParams, o: StepObservation) -> PhaseTimes:
         return PhaseTimes(gen, reward, ref, train, sync, 0.0, p.overhead_s, core + p.overhead_s,
                           rollout_side=rollout_side, train_side=train_side)
     sync = _sync(p, o.param_bytes, local=True)
+    if L.mode == "partial_colocate":
+        longest = o.get("response/length_max")
+        dist = LengthDist.from_mean_max(o.get("response/length_mean"), longest, o.samples)
+        own = _gen_time(p, seqs_r, min(dist.expected_max(seqs_r), longest), toks_r)
+        reward = _streamed_scoring(p, gen, own, p.reward_sample_s * o.samples, L.scoring_pool)
     step = gen + reward + ref + train + sync + p.offload_s + p.overhead_s
     return PhaseTimes(gen, reward, ref, train, sync, p.offload_s, p.overhead_s, step)
 
