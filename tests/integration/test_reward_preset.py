@@ -18,9 +18,30 @@ from trainer.rewards.tiny_reward_model import corrupt, labelled_pairs
 
 def test_corruptions_are_always_wrong_answers():
     rng = random.Random(0)
-    for answer in ("0", "7", "10", "99", "198"):
+    for near_miss in (0.0, 0.75, 1.0):
+        for answer in ("0", "7", "10", "99", "198"):
+            for _ in range(200):
+                assert corrupt(answer, rng, near_miss).strip() != answer
+
+
+def test_near_miss_corruptions_are_off_by_one_two_ten_a_hundred_or_swapped():
+    rng = random.Random(0)
+    for answer in ("10", "57", "99", "198"):
         for _ in range(200):
-            assert corrupt(answer, rng).strip() != answer
+            out = corrupt(answer, rng, near_miss=1.0)
+            swapped = sorted(out) == sorted(answer) and len(out) == len(answer)
+            assert swapped or abs(int(out) - int(answer)) in (1, 2, 10, 100), (answer, out)
+
+
+def test_held_out_pairs_are_drawn_as_before_near_misses_existed():
+    """Agreement figures stay comparable: without `near_miss` the draw is the one pinned here
+    (taken before the parameter existed); with it, the wrong responses change."""
+    examples = arithmetic_examples(digits=2, ops=["+"], train_size=100, eval_size=10, seed=0)[1]
+    prompts, responses, labels = labelled_pairs(examples, random.Random(5), 12)
+    assert responses == ["113", "", "104", "102", "9114", "112", "112", "+", "103", "123", "117", "122"]
+    assert labels == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    near = labelled_pairs(examples, random.Random(5), 12, near_miss=1.0)[1]
+    assert near != responses and "" not in near and "+" not in near
 
 
 @pytest.mark.slow
