@@ -47,10 +47,11 @@ def test_held_out_pairs_are_drawn_as_before_near_misses_existed():
 @pytest.mark.slow
 def test_reward_preset_trains_a_classifier_that_agrees_with_exact_match(tmp_path):
     out = tmp_path / "rm"
-    # A step budget, not a time budget: the same classifier however busy the machine is (300
-    # steps are about 30 CPU seconds); the full preset's figure is in docs/placement.md.
+    # A step budget, not a time budget: the same classifier however busy the machine is (1,000
+    # steps, the learning rate decaying to 0 over them, are about 29 CPU seconds; it may stop
+    # sooner at 97%); the full preset's figures are in docs/placement.md.
     r = CliRunner().invoke(app, ["make-tiny-model", str(out), "--preset", "reward",
-                                 "--max-steps", "300", "--time-budget-s", "900"])
+                                 "--max-steps", "1000", "--time-budget-s", "900"])
     assert r.exit_code == 0, r.output
     report = json.loads((out / "reward_model.json").read_text())
     reward = build_reward(parse_config({"reward": {"kind": "model", "model_path": str(out)}}))
@@ -60,8 +61,8 @@ def test_reward_preset_trains_a_classifier_that_agrees_with_exact_match(tmp_path
     scores = reward(prompts, responses, [None] * len(prompts))
     agree = sum((s > 0) == (y > 0.5) for s, y in zip(scores, labels, strict=True)) / len(labels)
     assert agree == pytest.approx(report["held_out_agreement"], abs=0.08)
-    assert report["steps"] == 300
-    assert agree > 0.8  # chance is 0.5 (balanced labels); 300 steps reach about 0.85-0.9
+    assert report["steps"] <= 1000 and report["recipe"]["schedule"] == "cosine to 0 at step 1000"
+    assert agree > 0.9  # chance is 0.5 (balanced labels); 1,000 steps reach about 0.96-0.97
     right = [s for s, y in zip(scores, labels, strict=True) if y > 0.5]
     wrong = [s for s, y in zip(scores, labels, strict=True) if y < 0.5]
     assert sum(right) / len(right) > sum(wrong) / len(wrong)
