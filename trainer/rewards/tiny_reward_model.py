@@ -3,9 +3,10 @@
 A Qwen2-style sequence classifier (one logit: "this answer is right"), with the same byte-level
 tokenizer as the tiny policies, trained on (prompt, response) pairs labelled by `exact_match`:
 half the responses are right, half are wrong in the ways a policy is wrong (off by one or ten,
-a dropped or extra digit, a swapped pair of digits, a random number, no number). It trains
-until it agrees with exact match on ≥ `target` of held-out pairs (problems never seen in
-training) or its time runs out, and writes what it reached to `reward_model.json`.
+a dropped or extra digit, a swapped pair of digits, a random number, no number; in training
+mostly the near misses). It trains until it agrees with exact match on ≥ `target` of held-out
+pairs (problems never seen in training, the policy-like mix) or its steps or time run out, and
+writes what it reached to `reward_model.json`. docs/placement.md has the recipe's figures.
 `reward.kind: model` with `reward.model_path: DIR` scores with it (trainer/rewards/model.py).
 """
 
