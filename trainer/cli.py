@@ -64,9 +64,10 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option("--seed")] = 0,
         time_budget_s: Annotated[float, typer.Option(
             "--time-budget-s", help="reward: stop training after this long if not yet accurate.")] = 240.0,
-        max_steps: Annotated[int | None, typer.Option(
-            "--max-steps", help="reward: stop after this many training steps (the same model on "
-            "any machine, however busy) unless the time budget ends it first.")] = None,
+        max_steps: Annotated[int, typer.Option(
+            "--max-steps", help="reward: train this many steps, the learning rate decaying to 0 "
+            "by the last (the same model on any machine, however busy), unless the time budget "
+            "or 97% held-out agreement ends it first.")] = 2000,
     ) -> None:
         """Build a small random-init causal LM with a tokenizer trained on the task's text, or
         (`--preset reward`) train a small reward model that agrees with exact match."""
@@ -90,7 +91,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _make_reward_model(out_dir: Path, config: Path | None, seed: int, time_budget_s: float,
-                       max_steps: int | None) -> None:
+                       max_steps: int) -> None:
     from trainer.config import TrainerConfig, load_config
     from trainer.rewards.tiny_reward_model import make_reward_model
 

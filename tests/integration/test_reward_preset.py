@@ -18,18 +18,40 @@ from trainer.rewards.tiny_reward_model import corrupt, labelled_pairs
 
 def test_corruptions_are_always_wrong_answers():
     rng = random.Random(0)
-    for answer in ("0", "7", "10", "99", "198"):
+    for near_miss in (0.0, 0.75, 1.0):
+        for answer in ("0", "7", "10", "99", "198"):
+            for _ in range(200):
+                assert corrupt(answer, rng, near_miss).strip() != answer
+
+
+def test_near_miss_corruptions_are_off_by_one_two_ten_a_hundred_or_swapped():
+    rng = random.Random(0)
+    for answer in ("10", "57", "99", "198"):
         for _ in range(200):
-            assert corrupt(answer, rng).strip() != answer
+            out = corrupt(answer, rng, near_miss=1.0)
+            swapped = sorted(out) == sorted(answer) and len(out) == len(answer)
+            assert swapped or abs(int(out) - int(answer)) in (1, 2, 10, 100), (answer, out)
+
+
+def test_held_out_pairs_are_drawn_as_before_near_misses_existed():
+    """Agreement figures stay comparable: without `near_miss` the draw is the one pinned here
+    (taken before the parameter existed); with it, the wrong responses change."""
+    examples = arithmetic_examples(digits=2, ops=["+"], train_size=100, eval_size=10, seed=0)[1]
+    prompts, responses, labels = labelled_pairs(examples, random.Random(5), 12)
+    assert responses == ["113", "", "104", "102", "9114", "112", "112", "+", "103", "123", "117", "122"]
+    assert labels == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    near = labelled_pairs(examples, random.Random(5), 12, near_miss=1.0)[1]
+    assert near != responses and "" not in near and "+" not in near
 
 
 @pytest.mark.slow
 def test_reward_preset_trains_a_classifier_that_agrees_with_exact_match(tmp_path):
     out = tmp_path / "rm"
-    # A step budget, not a time budget: the same classifier however busy the machine is (300
-    # steps are about 30 CPU seconds); the full preset's figure is in docs/placement.md.
+    # A step budget, not a time budget: the same classifier however busy the machine is (1,000
+    # steps, the learning rate decaying to 0 over them, are about 29 CPU seconds; it may stop
+    # sooner at 97%); the full preset's figures are in docs/placement.md.
     r = CliRunner().invoke(app, ["make-tiny-model", str(out), "--preset", "reward",
-                                 "--max-steps", "300", "--time-budget-s", "900"])
+                                 "--max-steps", "1000", "--time-budget-s", "900"])
     assert r.exit_code == 0, r.output
     report = json.loads((out / "reward_model.json").read_text())
     reward = build_reward(parse_config({"reward": {"kind": "model", "model_path": str(out)}}))
@@ -39,8 +61,8 @@ def test_reward_preset_trains_a_classifier_that_agrees_with_exact_match(tmp_path
     scores = reward(prompts, responses, [None] * len(prompts))
     agree = sum((s > 0) == (y > 0.5) for s, y in zip(scores, labels, strict=True)) / len(labels)
     assert agree == pytest.approx(report["held_out_agreement"], abs=0.08)
-    assert report["steps"] == 300
-    assert agree > 0.8  # chance is 0.5 (balanced labels); 300 steps reach about 0.85-0.9
+    assert report["steps"] <= 1000 and report["recipe"]["schedule"] == "cosine to 0 at step 1000"
+    assert agree > 0.9  # chance is 0.5 (balanced labels); 1,000 steps reach about 0.96-0.97
     right = [s for s, y in zip(scores, labels, strict=True) if y > 0.5]
     wrong = [s for s, y in zip(scores, labels, strict=True) if y < 0.5]
     assert sum(right) / len(right) > sum(wrong) / len(wrong)
