@@ -399,7 +399,9 @@ def _downsample(
     """Downsample every series in `ranges` ({series: (first step, last step)}) at once. Buckets
     are runs of `width` steps from a series' first step, at most (max_points - 1) // 4 of them."""
     n = max(1, (max_points - 1) // 4)
-    widths = {s: -(-(last - lo + 1) // n) for s, (lo, last) in ranges.items()}
+    rows = [(*s, lo, -(-(last - lo + 1) // n), last) for s, (lo, last) in ranges.items()]
+    if db_session.get_bind().dialect.name == "postgresql":
+        return _downsample_postgresql(db_session, rows, max_points)
     keep: dict[Series, dict[int, tuple[int, dict[str, Any]]]] = {s: {} for s in ranges}
 
     def offer(s: Series, priority: int, point: dict[str, Any]) -> None:
@@ -409,9 +411,9 @@ def _downsample(
 
     # the first point at or after each bucket's start: one index seek per bucket, so the cost
     # grows with max_points, not with the points stored
-    rows = [(*s, ranges[s][0], widths[s]) for s in ranges]
     series, params = _rows_param(
-        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
+        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"},
+        [row[:4] for row in rows],
     )
     first_in_bucket = _points_join(
         db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
@@ -427,7 +429,7 @@ def _downsample(
     ).all():
         offer((run_id, key), _FIRST, {"step": point[0], "value": point[1], "time": point[2]})
 
-    wanted = _bucket_extremes(db_session, rows)
+    wanted = _bucket_extremes_sqlite(db_session, [row[:4] for row in rows])
     wanted.update({(s, last): _LAST for s, (_, last) in ranges.items()})
     wanted_rows, params = _rows_param(
         db_session, "w", {"run_id": "integer", "key": "varchar", "step": "bigint"}, [(*s, step) for s, step in wanted]
@@ -438,48 +440,93 @@ def _downsample(
     ).all():
         s = (run_id, key)
         offer(s, wanted[(s, point[0])], {"step": point[0], "value": point[1], "time": point[2]})
-    out = {}
-    for s, held in keep.items():
-        chosen = sorted(held.values(), key=lambda h: (h[0], h[1]["step"]))[:max_points]
-        out[s] = sorted((p for _, p in chosen), key=lambda p: p["step"])
-    return out
+    return {s: _within(list(held.values()), max_points) for s, held in keep.items()}
 
 
-def _bucket_extremes(db_session: Session, rows: list[tuple[int, str, int, int]]) -> dict[tuple[Series, int], int]:
+# The whole downsample of every series as one statement, series numbered by `i`: the steps each
+# bucket keeps for its values, folded from the per-block extremes ((value, step) pairs compare
+# as arrays: min() is the lowest value at its earliest step, max() of (value, -step) the highest
+# at its earliest step), the series' last step and each bucket's first point (a bucket starting
+# past the last step has none, so it is not looked for), then each step once, with its most
+# important reason to be kept. One round trip, only the chosen points come back, and the sort
+# is on the series' number, not on (run, key) text (35 → 28 ms for compare-of-10 together with
+# the empty buckets left out).
+_DOWNSAMPLE_POSTGRESQL = f"""
+WITH s AS (
+    SELECT * FROM {{series}}
+), extremes AS (
+    SELECT s.i,
+        min(CASE WHEN mb.min_value IS NOT NULL THEN ARRAY[mb.min_value, CAST(mb.min_step AS FLOAT8)] END) AS low,
+        max(CASE WHEN mb.max_value IS NOT NULL THEN ARRAY[mb.max_value, -CAST(mb.max_step AS FLOAT8)] END) AS high,
+        min(mb.nonfinite_step) AS nonfinite
+    FROM s JOIN metric_blocks mb ON mb.run_id = s.run_id AND mb.key = s.key
+    GROUP BY s.i, CASE WHEN mb.block * :block_steps <= s.lo THEN 0
+        ELSE (mb.block * CAST(:block_steps AS BIGINT) - s.lo) / s.width END
+), wanted(i, step, priority) AS (
+    SELECT i, last, {_LAST} FROM s
+    UNION ALL SELECT i, nonfinite, {_NONFINITE} FROM extremes WHERE nonfinite IS NOT NULL
+    UNION ALL SELECT i, CAST(-high[2] AS BIGINT), {_MAX} FROM extremes WHERE high IS NOT NULL
+    UNION ALL SELECT i, CAST(low[2] AS BIGINT), {_MIN} FROM extremes WHERE low IS NOT NULL
+), candidates AS (
+    SELECT s.i, p.step, p.value, p.time, w.priority FROM wanted w JOIN s ON s.i = w.i {{at_step}}
+    UNION ALL
+    SELECT s.i, p.step, p.value, p.time, {_FIRST}
+    FROM s CROSS JOIN generate_series(0, (s.last - s.lo) / s.width) b(i) {{first_in_bucket}}
+)
+SELECT DISTINCT ON (i, step) i, step, value, time, priority FROM candidates ORDER BY i, step, priority
+"""
+
+
+def _downsample_postgresql(
+    db_session: Session, rows: list[tuple[int, str, int, int, int]], max_points: int
+) -> dict[Series, list[dict[str, Any]]]:
+    """`_downsample` in one statement; `rows` are (run_id, key, first step, bucket width, last step)."""
+    series, params = _rows_param(
+        db_session, "s",
+        {"i": "integer", "run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint", "last": "bigint"},
+        [(i, *row) for i, row in enumerate(rows)],
+    )
+    statement = _DOWNSAMPLE_POSTGRESQL.format(
+        series=series,
+        at_step=_points_join(db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step = w.step"),
+        first_in_bucket=_points_join(
+            db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
+        ),
+    )
+    held: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in rows]
+    for i, step, value, time, priority in db_session.execute(
+        text(statement), {"block_steps": BLOCK_STEPS, **params}
+    ).all():  # in (series, step) order
+        held[i].append((priority, {"step": step, "value": value, "time": time}))
+    return {(row[0], row[1]): _within(kept, max_points) for row, kept in zip(rows, held, strict=True)}
+
+
+def _within(held: list[tuple[int, dict[str, Any]]], max_points: int) -> list[dict[str, Any]]:
+    """The `max_points` most important of a series' (priority, point) pairs, in step order.
+    Buckets are few enough that every point fits unless max_points is below 5."""
+    if len(held) > max_points:
+        held = sorted(held, key=lambda h: (h[0], h[1]["step"]))[:max_points]
+    return sorted((p for _, p in held), key=lambda p: p["step"])
+
+
+def _bucket_extremes_sqlite(
+    db_session: Session, rows: list[tuple[int, str, int, int]]
+) -> dict[tuple[Series, int], int]:
     """{(series, step): priority} for the steps each bucket keeps for its values: the step of its
     lowest min and of its highest max (the earliest on ties) and its first non-finite step,
-    folded from the per-block extremes by grouped passes inside the database (a million-point
-    series has 15,625 blocks; one row per bucket comes back). `rows` are (run_id, key, first
-    step, bucket width); a block counts in the bucket of its first step."""
+    folded from the per-block extremes (a million-point series has 15,625 blocks; one row per
+    bucket comes back). `rows` are (run_id, key, first step, bucket width); a block counts in
+    the bucket of its first step.
+
+    A bare column beside a single min() or max() comes from the row holding it, so one grouped
+    pass per extreme; and one series at a time, with its bounds as constants (a join to the
+    series rows makes each pass several times slower, and SQLite's queries are cheap)."""
     wanted: dict[tuple[Series, int], int] = {}
 
     def want(s: Series, step: Any, priority: int) -> None:
         if step is not None and priority < wanted.get((s, int(step)), _FIRST + 1):
             wanted[(s, int(step))] = priority
 
-    if db_session.get_bind().dialect.name == "postgresql":
-        series, params = _rows_param(
-            db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
-        )
-        params["block_steps"] = BLOCK_STEPS
-        blocks = f"FROM {series} JOIN metric_blocks mb ON mb.run_id = s.run_id AND mb.key = s.key"
-        group = ("GROUP BY s.run_id, s.key, CASE WHEN mb.block * :block_steps <= s.lo THEN 0 "
-                 "ELSE (mb.block * CAST(:block_steps AS BIGINT) - s.lo) / s.width END")
-        # one pass for every series; (value, step) pairs compare as arrays: min() is the lowest
-        # value at its earliest step, max() of (value, -step) the highest at its earliest step
-        for run_id, key, low, high, nonfinite in db_session.execute(text(
-            "SELECT s.run_id, s.key, "
-            "min(CASE WHEN mb.min_value IS NOT NULL THEN ARRAY[mb.min_value, CAST(mb.min_step AS FLOAT8)] END), "
-            "max(CASE WHEN mb.max_value IS NOT NULL THEN ARRAY[mb.max_value, -CAST(mb.max_step AS FLOAT8)] END), "
-            f"min(mb.nonfinite_step) {blocks} {group}"
-        ), params):
-            want((run_id, key), low[1] if low else None, _MIN)
-            want((run_id, key), -high[1] if high else None, _MAX)
-            want((run_id, key), nonfinite, _NONFINITE)
-        return wanted
-    # SQLite: a bare column beside a single min() or max() comes from the row holding it, so one
-    # grouped pass per extreme; and one series at a time, with its bounds as constants (a join
-    # to the series rows makes each pass several times slower, and SQLite's queries are cheap)
     of_series = "FROM metric_blocks WHERE run_id = :run_id AND key = :key"
     bucket = ("CASE WHEN block * :block_steps <= :lo THEN 0 "
               "ELSE (block * CAST(:block_steps AS BIGINT) - :lo) / CAST(:width AS BIGINT) END")
