@@ -396,61 +396,55 @@ _LAST, _NONFINITE, _MAX, _MIN, _FIRST = range(5)
 def _downsample(
     db_session: Session, ranges: Mapping[Series, tuple[int, int]], max_points: int
 ) -> dict[Series, list[dict[str, Any]]]:
-    """Downsample every series in `ranges` ({series: (first step, last step)}) at once. Buckets
-    are runs of `width` steps from a series' first step, at most (max_points - 1) // 4 of them."""
+    """Downsample every series in `ranges` ({series: (first step, last step)}) at once, in one
+    statement (on SQLite after one small query per series for its extremes). Buckets are runs
+    of `width` steps from a series' first step, at most (max_points - 1) // 4 of them."""
     n = max(1, (max_points - 1) // 4)
-    rows = [(*s, lo, -(-(last - lo + 1) // n), last) for s, (lo, last) in ranges.items()]
-    if db_session.get_bind().dialect.name == "postgresql":
-        return _downsample_postgresql(db_session, rows, max_points)
-    keep: dict[Series, dict[int, tuple[int, dict[str, Any]]]] = {s: {} for s in ranges}
-
-    def offer(s: Series, priority: int, point: dict[str, Any]) -> None:
-        held = keep[s].get(point["step"])
-        if held is None or priority < held[0]:
-            keep[s][point["step"]] = (priority, point)
-
+    rows = [(i, *s, lo, -(-(last - lo + 1) // n), last) for i, (s, (lo, last)) in enumerate(ranges.items())]
+    series, params = _rows_param(
+        db_session, "s",
+        {"i": "integer", "run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint", "last": "bigint"},
+        rows,
+    )
     # the first point at or after each bucket's start: one index seek per bucket, so the cost
     # grows with max_points, not with the points stored
-    series, params = _rows_param(
-        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"},
-        [row[:4] for row in rows],
-    )
     first_in_bucket = _points_join(
         db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
     )
-    for run_id, key, *point in db_session.execute(
-        text(f"""
-        WITH RECURSIVE buckets(i) AS (
-            SELECT CAST(0 AS BIGINT) UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < CAST(:n AS BIGINT)
+    at_step = _points_join(db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step = w.step")
+    if db_session.get_bind().dialect.name == "postgresql":
+        statement = _DOWNSAMPLE_POSTGRESQL.format(series=series, first_in_bucket=first_in_bucket, at_step=at_step)
+        params["block_steps"] = BLOCK_STEPS
+    else:
+        wanted, wanted_params = _rows_param(
+            db_session, "w", {"i": "integer", "step": "bigint", "priority": "integer"},
+            _kept_for_values_sqlite(db_session, rows),
         )
-        SELECT s.run_id, s.key, p.step, p.value, p.time FROM {series} CROSS JOIN buckets b {first_in_bucket}
-        """),
-        {"n": n, **params},
-    ).all():
-        offer((run_id, key), _FIRST, {"step": point[0], "value": point[1], "time": point[2]})
-
-    wanted = _bucket_extremes_sqlite(db_session, [row[:4] for row in rows])
-    wanted.update({(s, last): _LAST for s, (_, last) in ranges.items()})
-    wanted_rows, params = _rows_param(
-        db_session, "w", {"run_id": "integer", "key": "varchar", "step": "bigint"}, [(*s, step) for s, step in wanted]
-    )
-    at_step = _points_join(db_session, "q.run_id = w.run_id AND q.key = w.key AND q.step = w.step")
-    for run_id, key, *point in db_session.execute(
-        text(f"SELECT w.run_id, w.key, p.step, p.value, p.time FROM {wanted_rows} {at_step}"), params
-    ).all():
-        s = (run_id, key)
-        offer(s, wanted[(s, point[0])], {"step": point[0], "value": point[1], "time": point[2]})
-    return {s: _within(list(held.values()), max_points) for s, held in keep.items()}
+        statement = _DOWNSAMPLE_SQLITE.format(
+            series=series, wanted=wanted, first_in_bucket=first_in_bucket, at_step=at_step
+        )
+        params.update(wanted_params, n=n)
+    held: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in rows]
+    for i, step, value, time, priority in db_session.execute(text(statement), params).all():
+        held[i].append((priority, {"step": step, "value": value, "time": time}))  # in step order
+    return {(row[1], row[2]): _within(kept, max_points) for row, kept in zip(rows, held, strict=True)}
 
 
-# The whole downsample of every series as one statement, series numbered by `i`: the steps each
+def _within(held: list[tuple[int, dict[str, Any]]], max_points: int) -> list[dict[str, Any]]:
+    """The points of a series' (priority, point) pairs, in step order, at most `max_points`:
+    the most important. Buckets are few enough that every point fits unless max_points < 5."""
+    if len(held) > max_points:
+        held = sorted(sorted(held, key=lambda h: (h[0], h[1]["step"]))[:max_points], key=lambda h: h[1]["step"])
+    return [point for _, point in held]
+
+
+# The whole downsample of every series (`s`, numbered by `i`) as one statement: the steps each
 # bucket keeps for its values, folded from the per-block extremes ((value, step) pairs compare
 # as arrays: min() is the lowest value at its earliest step, max() of (value, -step) the highest
 # at its earliest step), the series' last step and each bucket's first point (a bucket starting
 # past the last step has none, so it is not looked for), then each step once, with its most
-# important reason to be kept. One round trip, only the chosen points come back, and the sort
-# is on the series' number, not on (run, key) text (35 → 28 ms for compare-of-10 together with
-# the empty buckets left out).
+# important reason to be kept. One round trip, only the chosen points come back, and the sorts
+# are on the series' number, not on (run, key) text.
 _DOWNSAMPLE_POSTGRESQL = f"""
 WITH s AS (
     SELECT * FROM {{series}}
@@ -476,72 +470,54 @@ WITH s AS (
 SELECT DISTINCT ON (i, step) i, step, value, time, priority FROM candidates ORDER BY i, step, priority
 """
 
+# The same on SQLite, with the steps kept for their values (`w`) found beforehand; a bare
+# column beside min() comes from the row holding it.
+_DOWNSAMPLE_SQLITE = f"""
+WITH RECURSIVE buckets(i) AS (
+    SELECT 0 UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < :n
+), s AS (
+    SELECT * FROM {{series}}
+), candidates AS (
+    SELECT s.i, p.step, p.value, p.time, w.priority FROM {{wanted}} JOIN s ON s.i = w.i {{at_step}}
+    UNION ALL
+    SELECT s.i, p.step, p.value, p.time, {_FIRST}
+    FROM s JOIN buckets b ON b.i <= (s.last - s.lo) / s.width {{first_in_bucket}}
+)
+SELECT i, step, value, time, min(priority) FROM candidates GROUP BY i, step ORDER BY i, step
+"""
 
-def _downsample_postgresql(
-    db_session: Session, rows: list[tuple[int, str, int, int, int]], max_points: int
-) -> dict[Series, list[dict[str, Any]]]:
-    """`_downsample` in one statement; `rows` are (run_id, key, first step, bucket width, last step)."""
-    series, params = _rows_param(
-        db_session, "s",
-        {"i": "integer", "run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint", "last": "bigint"},
-        [(i, *row) for i, row in enumerate(rows)],
+# A series' extremes per bucket on SQLite: one grouped pass per extreme, a series at a time with
+# its bounds as constants (a join to the series rows makes each pass several times slower).
+_BUCKET = ("CASE WHEN block * :block_steps <= :lo THEN 0 "
+           "ELSE (block * CAST(:block_steps AS BIGINT) - :lo) / CAST(:width AS BIGINT) END")
+_EXTREMES_SQLITE = " UNION ALL ".join(
+    f"SELECT {select_}, {priority} FROM metric_blocks WHERE run_id = :run_id AND key = :key "
+    f"AND {only} GROUP BY {_BUCKET}"
+    for select_, only, priority in (
+        ("min(min_value), min_step", "min_value IS NOT NULL", _MIN),
+        ("max(max_value), max_step", "max_value IS NOT NULL", _MAX),
+        ("0, min(nonfinite_step)", "nonfinite_step IS NOT NULL", _NONFINITE),
     )
-    statement = _DOWNSAMPLE_POSTGRESQL.format(
-        series=series,
-        at_step=_points_join(db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step = w.step"),
-        first_in_bucket=_points_join(
-            db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
-        ),
-    )
-    held: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in rows]
-    for i, step, value, time, priority in db_session.execute(
-        text(statement), {"block_steps": BLOCK_STEPS, **params}
-    ).all():  # in (series, step) order
-        held[i].append((priority, {"step": step, "value": value, "time": time}))
-    return {(row[0], row[1]): _within(kept, max_points) for row, kept in zip(rows, held, strict=True)}
+)
 
 
-def _within(held: list[tuple[int, dict[str, Any]]], max_points: int) -> list[dict[str, Any]]:
-    """The `max_points` most important of a series' (priority, point) pairs, in step order.
-    Buckets are few enough that every point fits unless max_points is below 5."""
-    if len(held) > max_points:
-        held = sorted(held, key=lambda h: (h[0], h[1]["step"]))[:max_points]
-    return sorted((p for _, p in held), key=lambda p: p["step"])
-
-
-def _bucket_extremes_sqlite(
-    db_session: Session, rows: list[tuple[int, str, int, int]]
-) -> dict[tuple[Series, int], int]:
-    """{(series, step): priority} for the steps each bucket keeps for its values: the step of its
-    lowest min and of its highest max (the earliest on ties) and its first non-finite step,
-    folded from the per-block extremes (a million-point series has 15,625 blocks; one row per
-    bucket comes back). `rows` are (run_id, key, first step, bucket width); a block counts in
-    the bucket of its first step.
-
-    A bare column beside a single min() or max() comes from the row holding it, so one grouped
-    pass per extreme; and one series at a time, with its bounds as constants (a join to the
-    series rows makes each pass several times slower, and SQLite's queries are cheap)."""
-    wanted: dict[tuple[Series, int], int] = {}
-
-    def want(s: Series, step: Any, priority: int) -> None:
-        if step is not None and priority < wanted.get((s, int(step)), _FIRST + 1):
-            wanted[(s, int(step))] = priority
-
-    of_series = "FROM metric_blocks WHERE run_id = :run_id AND key = :key"
-    bucket = ("CASE WHEN block * :block_steps <= :lo THEN 0 "
-              "ELSE (block * CAST(:block_steps AS BIGINT) - :lo) / CAST(:width AS BIGINT) END")
-    for run_id, key, lo, width in rows:
+def _kept_for_values_sqlite(
+    db_session: Session, rows: list[tuple[int, int, str, int, int, int]]
+) -> list[tuple[int, int, int]]:
+    """(series number, step, priority) for the steps each bucket keeps for its values: the step
+    of its lowest min and of its highest max (the earliest on ties) and its first non-finite
+    step, folded from the per-block extremes (a million-point series has 15,625 blocks; one row
+    per bucket comes back), and each series' last step. `rows` are (series number, run_id, key,
+    first step, bucket width, last step); a block counts in the bucket of its first step."""
+    wanted: dict[tuple[int, int], int] = {}
+    conn = db_session.connection()
+    for i, run_id, key, lo, width, last in rows:
+        wanted[(i, last)] = _LAST
         bounds = {"run_id": run_id, "key": key, "lo": lo, "width": width, "block_steps": BLOCK_STEPS}
-        for select_, only, priority in (
-            ("min(min_value), min_step", "min_value IS NOT NULL", _MIN),
-            ("max(max_value), max_step", "max_value IS NOT NULL", _MAX),
-            ("0, min(nonfinite_step)", "nonfinite_step IS NOT NULL", _NONFINITE),
-        ):
-            for _, step in db_session.execute(
-                text(f"SELECT {select_} {of_series} AND {only} GROUP BY {bucket}"), bounds
-            ):
-                want((run_id, key), step, priority)
-    return wanted
+        for _, step, priority in conn.exec_driver_sql(_EXTREMES_SQLITE, bounds):
+            if priority < wanted.get((i, step), _FIRST):
+                wanted[(i, step)] = priority
+    return [(i, step, priority) for (i, step), priority in wanted.items()]
 
 
 def max_point_id(*, db_session: Session) -> int:
