@@ -318,8 +318,10 @@ Series = tuple[int, str]  # (run id, key)
 def series_of_runs(
     *, db_session: Session, keys_by_run: Mapping[int, Sequence[str] | None], max_points: int = 1000
 ) -> dict[int, dict[str, list[dict[str, Any]]]]:
-    """`series` of several runs at once — {run_id: {key: points}} — in five queries whatever the
-    number of runs and keys (the Compare page's twenty runs cost what one run does)."""
+    """`series` of several runs at once — {run_id: {key: points}} — in three queries whatever the
+    number of runs and keys (the Compare page's twenty runs cost what one run does): the series'
+    step ranges, the short series whole, the long ones downsampled (on SQLite, after one small
+    query per long series for its extremes)."""
     ms = MetricSummary
     run_ids = list(keys_by_run)
     if not run_ids:
