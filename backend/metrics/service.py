@@ -408,22 +408,29 @@ def _downsample(
         {"i": "integer", "run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint", "last": "bigint"},
         rows,
     )
-    # the first point at or after each bucket's start: one index seek per bucket, so the cost
-    # grows with max_points, not with the points stored
-    first_in_bucket = _points_join(
-        db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
-    )
-    at_step = _points_join(db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step = w.step")
     if db_session.get_bind().dialect.name == "postgresql":
-        statement = _DOWNSAMPLE_POSTGRESQL.format(series=series, first_in_bucket=first_in_bucket, at_step=at_step)
+        statement = _DOWNSAMPLE_POSTGRESQL.format(
+            series=series,
+            at_steps=_points_join(
+                db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step = ANY(a.steps)", first_only=False
+            ),
+            first_after=_points_join(db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step > b.step"),
+        )
         params["block_steps"] = BLOCK_STEPS
     else:
         wanted, wanted_params = _rows_param(
             db_session, "w", {"i": "integer", "step": "bigint", "priority": "integer"},
             _kept_for_values_sqlite(db_session, rows),
         )
+        # the first point at or after each bucket's start: one index seek per bucket, so the
+        # cost grows with max_points, not with the points stored
         statement = _DOWNSAMPLE_SQLITE.format(
-            series=series, wanted=wanted, first_in_bucket=first_in_bucket, at_step=at_step
+            series=series,
+            wanted=wanted,
+            first_in_bucket=_points_join(
+                db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
+            ),
+            at_step=_points_join(db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step = w.step"),
         )
         params.update(wanted_params, n=n)
     held: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in rows]
@@ -440,13 +447,14 @@ def _within(held: list[tuple[int, dict[str, Any]]], max_points: int) -> list[dic
     return [point for _, point in held]
 
 
-# The whole downsample of every series (`s`, numbered by `i`) as one statement: the steps each
-# bucket keeps for its values, folded from the per-block extremes ((value, step) pairs compare
-# as arrays: min() is the lowest value at its earliest step, max() of (value, -step) the highest
-# at its earliest step), the series' last step and each bucket's first point (a bucket starting
-# past the last step has none, so it is not looked for), then each step once, with its most
-# important reason to be kept. One round trip, only the chosen points come back, and the sorts
-# are on the series' number, not on (run, key) text.
+# The whole downsample of every series (`s`, numbered by `i`) as one statement. The steps to
+# keep: each series' last step; per bucket, the step of its lowest and of its highest value,
+# folded from the per-block extremes ((value, step) pairs compare as arrays: min() is the lowest
+# value at its earliest step, max() of (value, -step) the highest at its earliest step), its
+# first non-finite step and its start (a bucket starting past the last step is left out). They
+# are read in one index scan per series (`step = ANY(...)`, several times cheaper than a join
+# seeking each step). A bucket whose start has no point keeps the first point after it instead,
+# one seek each. Then each step once, with its most important reason to be kept, in order.
 _DOWNSAMPLE_POSTGRESQL = f"""
 WITH s AS (
     SELECT * FROM {{series}}
@@ -458,16 +466,26 @@ WITH s AS (
     FROM s JOIN metric_blocks mb ON mb.run_id = s.run_id AND mb.key = s.key
     GROUP BY s.i, CASE WHEN mb.block * :block_steps <= s.lo THEN 0
         ELSE (mb.block * CAST(:block_steps AS BIGINT) - s.lo) / s.width END
-), wanted(i, step, priority) AS (
-    SELECT i, last, {_LAST} FROM s
-    UNION ALL SELECT i, nonfinite, {_NONFINITE} FROM extremes WHERE nonfinite IS NOT NULL
-    UNION ALL SELECT i, CAST(-high[2] AS BIGINT), {_MAX} FROM extremes WHERE high IS NOT NULL
-    UNION ALL SELECT i, CAST(low[2] AS BIGINT), {_MIN} FROM extremes WHERE low IS NOT NULL
+), starts AS (
+    SELECT s.i, s.lo + b.i * s.width AS step FROM s CROSS JOIN generate_series(0, (s.last - s.lo) / s.width) b(i)
+), wanted AS (
+    SELECT i, step, min(priority) AS priority FROM (
+        SELECT i, last AS step, {_LAST} AS priority FROM s
+        UNION ALL SELECT i, nonfinite, {_NONFINITE} FROM extremes WHERE nonfinite IS NOT NULL
+        UNION ALL SELECT i, CAST(-high[2] AS BIGINT), {_MAX} FROM extremes WHERE high IS NOT NULL
+        UNION ALL SELECT i, CAST(low[2] AS BIGINT), {_MIN} FROM extremes WHERE low IS NOT NULL
+        UNION ALL SELECT i, step, {_FIRST} FROM starts
+    ) w GROUP BY i, step
+), found AS (
+    SELECT s.i, p.step, p.value, p.time
+    FROM (SELECT i, array_agg(step) AS steps FROM wanted GROUP BY i) a JOIN s ON s.i = a.i
+    {{at_steps}}
 ), candidates AS (
-    SELECT s.i, p.step, p.value, p.time, w.priority FROM wanted w JOIN s ON s.i = w.i {{at_step}}
+    SELECT f.i, f.step, f.value, f.time, w.priority FROM found f JOIN wanted w ON w.i = f.i AND w.step = f.step
     UNION ALL
     SELECT s.i, p.step, p.value, p.time, {_FIRST}
-    FROM s CROSS JOIN generate_series(0, (s.last - s.lo) / s.width) b(i) {{first_in_bucket}}
+    FROM starts b JOIN s ON s.i = b.i {{first_after}}
+    WHERE NOT EXISTS (SELECT FROM found f WHERE f.i = b.i AND f.step = b.step)
 )
 SELECT DISTINCT ON (i, step) i, step, value, time, priority FROM candidates ORDER BY i, step, priority
 """
