@@ -1,14 +1,16 @@
 """The run history at scale: 100,000 runs listed, filtered, searched, sorted and compared.
 
     .venv/bin/python bench/history_scale.py            # --before /work/main to time main's code too
+    .venv/bin/python bench/history_scale.py --before /work/main --only compare --no-write
 
 For each database (a SQLite file, a fresh PostgreSQL database) it migrates, seeds 100,000 runs
 over 1,000 experiments (bench/history_seed.py: tags, summaries, realistic names, configs), starts
 the real API (`yatt api`, one uvicorn worker, its own process) and times every request of
-issue 12's table, compare-of-10 and the History page's own calls: one warm-up, then `--repeat`
-timed requests each, one at a time; p50 and p95 per database. With `--before DIR` the same
-requests also go to an API started from the code in DIR (the tree before this change) on the
-same seeded database; its compare is what its Compare page did: three requests per run.
+issue 12's table, compare-of-10 and the History page's own calls (`--only`: those whose label
+holds a word): one warm-up, then `--repeat` timed requests each, one at a time; p50 and p95 per
+database. With `--before DIR` the same requests also go to an API started from the code in DIR
+(the tree before this change) on the same seeded database, the two APIs taking turns request
+by request, so that other work on the machine weighs on both alike.
 Prints a table and writes the `history_scale` section of docs/benchmarks.md; the last line is
 the worst p95.
 """
@@ -91,8 +93,8 @@ class Api:
         self.proc.wait(timeout=20)
 
 
-def requests(seeded: Seeded, before: bool) -> list[tuple[str, Callable[[Api], Any]]]:
-    """(label, call) for every timed request; `before` shapes compare as main's page made it."""
+def requests(seeded: Seeded) -> list[tuple[str, Callable[[Api], Any]]]:
+    """(label, call) for every timed request."""
     exp = seeded.experiments[len(seeded.experiments) // 2]
     tag = min(seeded.tag_counts, key=lambda t: abs(seeded.tag_counts[t] - len(seeded.run_ids) // 20))
     ten = seeded.series_run_ids[:10]
@@ -106,22 +108,10 @@ def requests(seeded: Seeded, before: bool) -> list[tuple[str, Callable[[Api], An
         *((f"search q={q}", lambda a, q=q: a.get("/runs", limit=50, q=q)) for q in SEARCHES),
         ("sort=-reward/mean", lambda a: a.get("/runs", limit=50, sort="-reward/mean")),
         ("sort=reward/mean (ascending)", lambda a: a.get("/runs", limit=50, sort="reward/mean")),
-    ]
-    if not before:
-        out += [
-            ("sort=-reward/mean, page of runs without it", lambda a: a.get("/runs", limit=50, sort="-reward/mean", cursor=tail)),
-            ("where=reward/mean>=0.9", lambda a: a.get("/runs", limit=50, where="reward/mean>=0.9")),
-            ("compare 10 runs (1 request)", lambda a: a.get(
-                "/runs/compare", runs=",".join(map(str, ten)), keys="reward/mean,kl/mean", max_points=800)),
-        ]
-    else:
-        def compare_before(a: Api) -> None:
-            for rid in ten:  # main's Compare page: the run, its keys, its series
-                a.get(f"/runs/{rid}")
-                a.get(f"/runs/{rid}/metric-keys")
-                a.get(f"/runs/{rid}/metrics", keys="reward/mean,kl/mean", max_points=800)
-        out.append(("compare 10 runs (30 requests)", compare_before))
-    out += [
+        ("sort=-reward/mean, page of runs without it", lambda a: a.get("/runs", limit=50, sort="-reward/mean", cursor=tail)),
+        ("where=reward/mean>=0.9", lambda a: a.get("/runs", limit=50, where="reward/mean>=0.9")),
+        ("compare 10 runs (1 request)", lambda a: a.get(
+            "/runs/compare", runs=",".join(map(str, ten)), keys="reward/mean,kl/mean", max_points=800)),
         ("History page: whoami", lambda a: a.get("/whoami")),
         ("History page: experiments", lambda a: a.get("/experiments")),
         ("History page: runs (limit=25)", lambda a: a.get("/runs", limit=25, sort="-created_at")),
@@ -129,20 +119,26 @@ def requests(seeded: Seeded, before: bool) -> list[tuple[str, Callable[[Api], An
     return out
 
 
-def time_requests(api: Api, calls: list[tuple[str, Callable[[Api], Any]]], repeat: int) -> dict[str, tuple[float, float]]:
-    """{label: (p50 ms, p95 ms)}."""
-    out = {}
+def time_requests(
+    apis: dict[str, Api], calls: list[tuple[str, Callable[[Api], Any]]], repeat: int
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """{api name: {label: (p50 ms, p95 ms)}}; the APIs take turns, request by request."""
+    out: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in apis}
     for label, call in calls:
-        call(api)  # warm-up
-        times = []
+        times: dict[str, list[float]] = {name: [] for name in apis}
+        answers = [call(api) for api in apis.values()]  # warm-up
+        if any(a != answers[0] for a in answers):
+            print(f"  {label}: the APIs answer differently", flush=True)
         for _ in range(repeat):
-            t = time.perf_counter()
-            call(api)
-            times.append((time.perf_counter() - t) * 1e3)
-        times.sort()
-        p95 = times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))]
-        out[label] = (median(times), p95)
-        print(f"  {label:<46} p50 {median(times):8.1f} ms   p95 {p95:8.1f} ms", flush=True)
+            for name, api in apis.items():
+                t = time.perf_counter()
+                call(api)
+                times[name].append((time.perf_counter() - t) * 1e3)
+        for name, ts in times.items():
+            ts.sort()
+            p95 = ts[min(len(ts) - 1, int(round(0.95 * (len(ts) - 1))))]
+            out[name][label] = (median(ts), p95)
+            print(f"  {name:<7} {label:<46} p50 {median(ts):8.1f} ms   p95 {p95:8.1f} ms", flush=True)
     return out
 
 
@@ -162,17 +158,16 @@ def bench_database(kind: str, url: str, data_dir: Path, args: argparse.Namespace
     db.dispose()
     print(f"seeded {args.runs:,} runs over {args.experiments:,} experiments in {seed_s:.1f} s", flush=True)
     result: dict[str, Any] = {"kind": kind, "seed_s": seed_s, "matches": matches}
-    api = Api(url, data_dir, seeded.token)
+    calls = [(label, call) for label, call in requests(seeded) if not args.only or any(w in label for w in args.only)]
+    apis: dict[str, Api] = {}
     try:
-        result["after"] = time_requests(api, requests(seeded, before=False), args.repeat)
+        apis["after"] = Api(url, data_dir, seeded.token)
+        if args.before:
+            print(f"before: the code in {args.before}", flush=True)
+            apis["before"] = Api(url, data_dir, seeded.token, tree=Path(args.before))
+        result.update(time_requests(apis, calls, args.repeat))
     finally:
-        api.close()
-    if args.before:
-        print(f"-- before: the code in {args.before}", flush=True)
-        api = Api(url, data_dir, seeded.token, tree=Path(args.before))
-        try:
-            result["before"] = time_requests(api, requests(seeded, before=True), args.repeat)
-        finally:
+        for api in apis.values():
             api.close()
     return result
 
@@ -184,9 +179,6 @@ def _cell(fig: tuple[float, float] | None) -> str:
 def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str]:
     kinds = [r["kind"] for r in results]
     labels = list(dict.fromkeys(label for r in results for label in r["after"]))
-    before_labels = {
-        "compare 10 runs (1 request)": "compare 10 runs (30 requests)",
-    }
     cols = []
     for k in kinds:
         cols.append(f"{k} p50 / p95 ms")
@@ -200,8 +192,8 @@ def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> t
         f"(shared with other work: load average {args.load:.1f} at the start, {args.load_end:.1f} at the end), "
         f"{args.runs:,} runs over {args.experiments:,} experiments in one project, one `yatt api` process "
         f"(1 uvicorn worker), one request at a time, {args.repeat} timed requests each after a warm-up. "
-        + ("`before` is the same database served by the code before this change (" + args.before + "). "
-           if args.before else "")
+        + ("`before` is the same database served by the code before this change (" + args.before
+           + "), the two APIs taking turns request by request. " if args.before else "")
         + "Seeding took " + ", ".join(f"{r['kind']} {r['seed_s']:.0f} s" for r in results) + ".",
         "",
         "| request | " + " | ".join(cols) + " |",
@@ -212,7 +204,7 @@ def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> t
         for r in results:
             cells.append(_cell(r["after"].get(label)))
             if args.before:
-                cells.append(_cell(r.get("before", {}).get(before_labels.get(label, label))))
+                cells.append(_cell(r.get("before", {}).get(label)))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     worst_label, worst = "", (0.0, 0.0)
     for r in results:
@@ -223,7 +215,7 @@ def write_markdown(results: list[dict[str, Any]], args: argparse.Namespace) -> t
     if args.before:
         ratios = []
         for r in results:
-            for label in ("search q=gsm8k grpo kl-sweep", "sort=-reward/mean"):
+            for label in ("search q=gsm8k grpo kl-sweep", "sort=-reward/mean", "compare 10 runs (1 request)"):
                 b, a = r.get("before", {}).get(label), r["after"].get(label)
                 if a and b:
                     ratios.append(f"{r['kind']} {label}: {b[0] / a[0]:.1f}× faster at p50")
@@ -248,6 +240,7 @@ def main() -> None:
     parser.add_argument("--databases", nargs="+", default=["sqlite", "postgresql"])
     parser.add_argument("--before", default="", help="a tree with the code to compare against (e.g. /work/main)")
     parser.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
+    parser.add_argument("--only", nargs="+", default=[], help="time only requests whose label holds one of these")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup below when killed
     args.load = os.getloadavg()[0]

@@ -318,8 +318,10 @@ Series = tuple[int, str]  # (run id, key)
 def series_of_runs(
     *, db_session: Session, keys_by_run: Mapping[int, Sequence[str] | None], max_points: int = 1000
 ) -> dict[int, dict[str, list[dict[str, Any]]]]:
-    """`series` of several runs at once — {run_id: {key: points}} — in five queries whatever the
-    number of runs and keys (the Compare page's twenty runs cost what one run does)."""
+    """`series` of several runs at once — {run_id: {key: points}} — in three queries whatever the
+    number of runs and keys (the Compare page's twenty runs cost what one run does): the series'
+    step ranges, the short series whole, the long ones downsampled (on SQLite, after one small
+    query per long series for its extremes)."""
     ms = MetricSummary
     run_ids = list(keys_by_run)
     if not run_ids:
@@ -396,105 +398,146 @@ _LAST, _NONFINITE, _MAX, _MIN, _FIRST = range(5)
 def _downsample(
     db_session: Session, ranges: Mapping[Series, tuple[int, int]], max_points: int
 ) -> dict[Series, list[dict[str, Any]]]:
-    """Downsample every series in `ranges` ({series: (first step, last step)}) at once. Buckets
-    are runs of `width` steps from a series' first step, at most (max_points - 1) // 4 of them."""
+    """Downsample every series in `ranges` ({series: (first step, last step)}) at once, in one
+    statement (on SQLite after one small query per series for its extremes). Buckets are runs
+    of `width` steps from a series' first step, at most (max_points - 1) // 4 of them."""
     n = max(1, (max_points - 1) // 4)
-    widths = {s: -(-(last - lo + 1) // n) for s, (lo, last) in ranges.items()}
-    keep: dict[Series, dict[int, tuple[int, dict[str, Any]]]] = {s: {} for s in ranges}
-
-    def offer(s: Series, priority: int, point: dict[str, Any]) -> None:
-        held = keep[s].get(point["step"])
-        if held is None or priority < held[0]:
-            keep[s][point["step"]] = (priority, point)
-
-    # the first point at or after each bucket's start: one index seek per bucket, so the cost
-    # grows with max_points, not with the points stored
-    rows = [(*s, ranges[s][0], widths[s]) for s in ranges]
+    rows = [(i, *s, lo, -(-(last - lo + 1) // n), last) for i, (s, (lo, last)) in enumerate(ranges.items())]
     series, params = _rows_param(
-        db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
+        db_session, "s",
+        {"i": "integer", "run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint", "last": "bigint"},
+        rows,
     )
-    first_in_bucket = _points_join(
-        db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
-    )
-    for run_id, key, *point in db_session.execute(
-        text(f"""
-        WITH RECURSIVE buckets(i) AS (
-            SELECT CAST(0 AS BIGINT) UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < CAST(:n AS BIGINT)
-        )
-        SELECT s.run_id, s.key, p.step, p.value, p.time FROM {series} CROSS JOIN buckets b {first_in_bucket}
-        """),
-        {"n": n, **params},
-    ).all():
-        offer((run_id, key), _FIRST, {"step": point[0], "value": point[1], "time": point[2]})
-
-    wanted = _bucket_extremes(db_session, rows)
-    wanted.update({(s, last): _LAST for s, (_, last) in ranges.items()})
-    wanted_rows, params = _rows_param(
-        db_session, "w", {"run_id": "integer", "key": "varchar", "step": "bigint"}, [(*s, step) for s, step in wanted]
-    )
-    at_step = _points_join(db_session, "q.run_id = w.run_id AND q.key = w.key AND q.step = w.step")
-    for run_id, key, *point in db_session.execute(
-        text(f"SELECT w.run_id, w.key, p.step, p.value, p.time FROM {wanted_rows} {at_step}"), params
-    ).all():
-        s = (run_id, key)
-        offer(s, wanted[(s, point[0])], {"step": point[0], "value": point[1], "time": point[2]})
-    out = {}
-    for s, held in keep.items():
-        chosen = sorted(held.values(), key=lambda h: (h[0], h[1]["step"]))[:max_points]
-        out[s] = sorted((p for _, p in chosen), key=lambda p: p["step"])
-    return out
-
-
-def _bucket_extremes(db_session: Session, rows: list[tuple[int, str, int, int]]) -> dict[tuple[Series, int], int]:
-    """{(series, step): priority} for the steps each bucket keeps for its values: the step of its
-    lowest min and of its highest max (the earliest on ties) and its first non-finite step,
-    folded from the per-block extremes by grouped passes inside the database (a million-point
-    series has 15,625 blocks; one row per bucket comes back). `rows` are (run_id, key, first
-    step, bucket width); a block counts in the bucket of its first step."""
-    wanted: dict[tuple[Series, int], int] = {}
-
-    def want(s: Series, step: Any, priority: int) -> None:
-        if step is not None and priority < wanted.get((s, int(step)), _FIRST + 1):
-            wanted[(s, int(step))] = priority
-
     if db_session.get_bind().dialect.name == "postgresql":
-        series, params = _rows_param(
-            db_session, "s", {"run_id": "integer", "key": "varchar", "lo": "bigint", "width": "bigint"}, rows
+        statement = _DOWNSAMPLE_POSTGRESQL.format(
+            series=series,
+            at_steps=_points_join(
+                db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step = ANY(a.steps)", first_only=False
+            ),
+            first_after=_points_join(db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step > b.step"),
         )
         params["block_steps"] = BLOCK_STEPS
-        blocks = f"FROM {series} JOIN metric_blocks mb ON mb.run_id = s.run_id AND mb.key = s.key"
-        group = ("GROUP BY s.run_id, s.key, CASE WHEN mb.block * :block_steps <= s.lo THEN 0 "
-                 "ELSE (mb.block * CAST(:block_steps AS BIGINT) - s.lo) / s.width END")
-        # one pass for every series; (value, step) pairs compare as arrays: min() is the lowest
-        # value at its earliest step, max() of (value, -step) the highest at its earliest step
-        for run_id, key, low, high, nonfinite in db_session.execute(text(
-            "SELECT s.run_id, s.key, "
-            "min(CASE WHEN mb.min_value IS NOT NULL THEN ARRAY[mb.min_value, CAST(mb.min_step AS FLOAT8)] END), "
-            "max(CASE WHEN mb.max_value IS NOT NULL THEN ARRAY[mb.max_value, -CAST(mb.max_step AS FLOAT8)] END), "
-            f"min(mb.nonfinite_step) {blocks} {group}"
-        ), params):
-            want((run_id, key), low[1] if low else None, _MIN)
-            want((run_id, key), -high[1] if high else None, _MAX)
-            want((run_id, key), nonfinite, _NONFINITE)
-        return wanted
-    # SQLite: a bare column beside a single min() or max() comes from the row holding it, so one
-    # grouped pass per extreme; and one series at a time, with its bounds as constants (a join
-    # to the series rows makes each pass several times slower, and SQLite's queries are cheap)
-    of_series = "FROM metric_blocks WHERE run_id = :run_id AND key = :key"
-    bucket = ("CASE WHEN block * :block_steps <= :lo THEN 0 "
-              "ELSE (block * CAST(:block_steps AS BIGINT) - :lo) / CAST(:width AS BIGINT) END")
-    for run_id, key, lo, width in rows:
+    else:
+        wanted, wanted_params = _rows_param(
+            db_session, "w", {"i": "integer", "step": "bigint", "priority": "integer"},
+            _kept_for_values_sqlite(db_session, rows),
+        )
+        # the first point at or after each bucket's start: one index seek per bucket, so the
+        # cost grows with max_points, not with the points stored
+        statement = _DOWNSAMPLE_SQLITE.format(
+            series=series,
+            wanted=wanted,
+            first_in_bucket=_points_join(
+                db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step >= s.lo + b.i * s.width"
+            ),
+            at_step=_points_join(db_session, "q.run_id = s.run_id AND q.key = s.key AND q.step = w.step"),
+        )
+        params.update(wanted_params, n=n)
+    held: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in rows]
+    for i, step, value, time, priority in db_session.execute(text(statement), params).all():
+        held[i].append((priority, {"step": step, "value": value, "time": time}))  # in step order
+    return {(row[1], row[2]): _within(kept, max_points) for row, kept in zip(rows, held, strict=True)}
+
+
+def _within(held: list[tuple[int, dict[str, Any]]], max_points: int) -> list[dict[str, Any]]:
+    """The points of a series' (priority, point) pairs, in step order, at most `max_points`:
+    the most important. Buckets are few enough that every point fits unless max_points < 5."""
+    if len(held) > max_points:
+        held = sorted(sorted(held, key=lambda h: (h[0], h[1]["step"]))[:max_points], key=lambda h: h[1]["step"])
+    return [point for _, point in held]
+
+
+# The whole downsample of every series (`s`, numbered by `i`) as one statement. The steps to
+# keep: each series' last step; per bucket, the step of its lowest and of its highest value,
+# folded from the per-block extremes ((value, step) pairs compare as arrays: min() is the lowest
+# value at its earliest step, max() of (value, -step) the highest at its earliest step), its
+# first non-finite step and its start (a bucket starting past the last step is left out). They
+# are read in one index scan per series (`step = ANY(...)`, several times cheaper than a join
+# seeking each step). A bucket whose start has no point keeps the first point after it instead,
+# one seek each. Then each step once, with its most important reason to be kept, in order.
+_DOWNSAMPLE_POSTGRESQL = f"""
+WITH s AS (
+    SELECT * FROM {{series}}
+), extremes AS (
+    SELECT s.i,
+        min(CASE WHEN mb.min_value IS NOT NULL THEN ARRAY[mb.min_value, CAST(mb.min_step AS FLOAT8)] END) AS low,
+        max(CASE WHEN mb.max_value IS NOT NULL THEN ARRAY[mb.max_value, -CAST(mb.max_step AS FLOAT8)] END) AS high,
+        min(mb.nonfinite_step) AS nonfinite
+    FROM s JOIN metric_blocks mb ON mb.run_id = s.run_id AND mb.key = s.key
+    GROUP BY s.i, CASE WHEN mb.block * :block_steps <= s.lo THEN 0
+        ELSE (mb.block * CAST(:block_steps AS BIGINT) - s.lo) / s.width END
+), starts AS (
+    SELECT s.i, s.lo + b.i * s.width AS step FROM s CROSS JOIN generate_series(0, (s.last - s.lo) / s.width) b(i)
+), wanted AS (
+    SELECT i, step, min(priority) AS priority FROM (
+        SELECT i, last AS step, {_LAST} AS priority FROM s
+        UNION ALL SELECT i, nonfinite, {_NONFINITE} FROM extremes WHERE nonfinite IS NOT NULL
+        UNION ALL SELECT i, CAST(-high[2] AS BIGINT), {_MAX} FROM extremes WHERE high IS NOT NULL
+        UNION ALL SELECT i, CAST(low[2] AS BIGINT), {_MIN} FROM extremes WHERE low IS NOT NULL
+        UNION ALL SELECT i, step, {_FIRST} FROM starts
+    ) w GROUP BY i, step
+), found AS (
+    SELECT s.i, p.step, p.value, p.time
+    FROM (SELECT i, array_agg(step) AS steps FROM wanted GROUP BY i) a JOIN s ON s.i = a.i
+    {{at_steps}}
+), candidates AS (
+    SELECT f.i, f.step, f.value, f.time, w.priority FROM found f JOIN wanted w ON w.i = f.i AND w.step = f.step
+    UNION ALL
+    SELECT s.i, p.step, p.value, p.time, {_FIRST}
+    FROM starts b JOIN s ON s.i = b.i {{first_after}}
+    WHERE NOT EXISTS (SELECT FROM found f WHERE f.i = b.i AND f.step = b.step)
+)
+SELECT DISTINCT ON (i, step) i, step, value, time, priority FROM candidates ORDER BY i, step, priority
+"""
+
+# The same on SQLite, with the steps kept for their values (`w`) found beforehand; a bare
+# column beside min() comes from the row holding it.
+_DOWNSAMPLE_SQLITE = f"""
+WITH RECURSIVE buckets(i) AS (
+    SELECT 0 UNION ALL SELECT i + 1 FROM buckets WHERE i + 1 < :n
+), s AS (
+    SELECT * FROM {{series}}
+), candidates AS (
+    SELECT s.i, p.step, p.value, p.time, w.priority FROM {{wanted}} JOIN s ON s.i = w.i {{at_step}}
+    UNION ALL
+    SELECT s.i, p.step, p.value, p.time, {_FIRST}
+    FROM s JOIN buckets b ON b.i <= (s.last - s.lo) / s.width {{first_in_bucket}}
+)
+SELECT i, step, value, time, min(priority) FROM candidates GROUP BY i, step ORDER BY i, step
+"""
+
+# A series' extremes per bucket on SQLite: one grouped pass per extreme, a series at a time with
+# its bounds as constants (a join to the series rows makes each pass several times slower).
+_BUCKET = ("CASE WHEN block * :block_steps <= :lo THEN 0 "
+           "ELSE (block * CAST(:block_steps AS BIGINT) - :lo) / CAST(:width AS BIGINT) END")
+_EXTREMES_SQLITE = " UNION ALL ".join(
+    f"SELECT {select_}, {priority} FROM metric_blocks WHERE run_id = :run_id AND key = :key "
+    f"AND {only} GROUP BY {_BUCKET}"
+    for select_, only, priority in (
+        ("min(min_value), min_step", "min_value IS NOT NULL", _MIN),
+        ("max(max_value), max_step", "max_value IS NOT NULL", _MAX),
+        ("0, min(nonfinite_step)", "nonfinite_step IS NOT NULL", _NONFINITE),
+    )
+)
+
+
+def _kept_for_values_sqlite(
+    db_session: Session, rows: list[tuple[int, int, str, int, int, int]]
+) -> list[tuple[int, int, int]]:
+    """(series number, step, priority) for the steps each bucket keeps for its values: the step
+    of its lowest min and of its highest max (the earliest on ties) and its first non-finite
+    step, folded from the per-block extremes (a million-point series has 15,625 blocks; one row
+    per bucket comes back), and each series' last step. `rows` are (series number, run_id, key,
+    first step, bucket width, last step); a block counts in the bucket of its first step."""
+    wanted: dict[tuple[int, int], int] = {}
+    conn = db_session.connection()
+    for i, run_id, key, lo, width, last in rows:
+        wanted[(i, last)] = _LAST
         bounds = {"run_id": run_id, "key": key, "lo": lo, "width": width, "block_steps": BLOCK_STEPS}
-        for select_, only, priority in (
-            ("min(min_value), min_step", "min_value IS NOT NULL", _MIN),
-            ("max(max_value), max_step", "max_value IS NOT NULL", _MAX),
-            ("0, min(nonfinite_step)", "nonfinite_step IS NOT NULL", _NONFINITE),
-        ):
-            for _, step in db_session.execute(
-                text(f"SELECT {select_} {of_series} AND {only} GROUP BY {bucket}"), bounds
-            ):
-                want((run_id, key), step, priority)
-    return wanted
+        for _, step, priority in conn.exec_driver_sql(_EXTREMES_SQLITE, bounds):
+            if priority < wanted.get((i, step), _FIRST):
+                wanted[(i, step)] = priority
+    return [(i, step, priority) for (i, step), priority in wanted.items()]
 
 
 def max_point_id(*, db_session: Session) -> int:

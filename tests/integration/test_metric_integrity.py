@@ -160,6 +160,83 @@ def test_downsampling_keeps_every_buckets_extremes_and_first_non_finite_step(liv
     assert max(got) == first + n - 1 and min(got) == first
 
 
+def _downsampled(values: dict[int, float], max_points: int) -> list[dict[str, Any]]:
+    """The documented sampling, written out point by point: `width`-step buckets from the first
+    step ((max_points - 1) // 4 of them); each keeps its first point, and, over the 64-step
+    blocks that start in it (a block starting before the first step counts in bucket 0), its
+    lowest and highest finite value (the earliest step on ties) and its first non-finite step;
+    plus the last point. When that is more than max_points, the last point goes first, then
+    non-finite steps, highest, lowest and first points, each lowest step first."""
+    steps = sorted(values)
+    point = {s: {"step": s, "value": values[s] if math.isfinite(values[s]) else None, "time": s / 2}
+             for s in steps}
+    if len(steps) <= max_points:
+        return [point[s] for s in steps]
+    lo, last = steps[0], steps[-1]
+    n = max(1, (max_points - 1) // 4)
+    width = -(-(last - lo + 1) // n)
+    kept: dict[int, int] = {}  # step: priority (lower: kept first)
+
+    def keep(step: int, priority: int) -> None:
+        kept[step] = min(priority, kept.get(step, priority))
+
+    keep(last, 0)
+    for i in range(n):
+        after = [s for s in steps if s >= lo + i * width]
+        if after:
+            keep(after[0], 4)
+    buckets: dict[int, list[int]] = {}
+    for s in steps:
+        block_start = s // 64 * 64
+        buckets.setdefault(0 if block_start <= lo else (block_start - lo) // width, []).append(s)
+    for members in buckets.values():
+        finite = [s for s in members if math.isfinite(values[s])]
+        if finite:
+            keep(min(finite, key=lambda s: (-values[s], s)), 2)
+            keep(min(finite, key=lambda s: (values[s], s)), 3)
+        if len(finite) < len(members):
+            keep(min(set(members) - set(finite)), 1)
+    chosen = sorted(kept, key=lambda s: (kept[s], s))[:max_points]
+    return [point[s] for s in sorted(chosen)]
+
+
+@pytest.mark.parametrize("live_api", DATABASES, indirect=True)
+def test_compare_and_the_run_page_sample_every_series_as_documented(live_api: LiveAPI) -> None:
+    """Several runs and keys in one read, of every shape (dense, sparse, starting mid-block,
+    ties, non-finite values, one point, shorter than max_points): each series comes back as
+    the documented sampling picks it, whatever the database, and at every budget, down to the
+    smallest, where the points compete for room."""
+    rng = random.Random(12)
+    shapes: dict[str, dict[int, float]] = {
+        "dense": {s: rng.gauss(0, 1) for s in range(3_000)},
+        "sparse": {s: rng.gauss(0, 1) for s in sorted(rng.sample(range(100, 50_000), 900))},
+        "ties": {s: float(rng.randint(0, 3)) for s in range(70, 2_070)},
+        "nan": {s: rng.choice([math.nan, math.inf, -math.inf, rng.random()]) for s in range(1_000)},
+        "one": {7: 1.5},
+        "short": {s: float(s) for s in range(0, 40, 3)},
+    }
+    runs = [_run(live_api)["id"] for _ in range(3)]
+    series = {(run_id, key): {s: v + j for s, v in values.items()}  # each run's values differ
+              for j, run_id in enumerate(runs) for key, values in shapes.items()}
+    for run_id in runs:
+        live_api.start_attempt(run_id)
+        with live_api.database.session() as session:
+            ingest(db_session=session, run_id=run_id, points=[
+                MetricPointIn.model_construct(key=key, step=step, value=v, time=step / 2)
+                for (r, key), values in series.items() if r == run_id for step, v in values.items()
+            ])
+    for max_points in (2, 3, 4, 5, 9, 50, 500):
+        compared = live_api.client.compare(runs, list(shapes), max_points=max_points)
+        for c in compared:
+            run_id = c["run"]["id"]
+            for key in shapes:
+                expected = _downsampled(series[(run_id, key)], max_points)
+                assert c["series"][key] == expected, (run_id, key, max_points)
+        assert live_api.client.metrics(runs[1], ["ties", "nan"], max_points=max_points) == {
+            key: _downsampled(series[(runs[1], key)], max_points) for key in ("ties", "nan")
+        }
+
+
 def test_a_spike_and_a_nan_survive_downsampling_a_million_points(live_api: LiveAPI) -> None:
     """SQLite only (the read path is the same SQL on PostgreSQL, covered by the tests above;
     seeding a million points there would double this test's minute)."""
