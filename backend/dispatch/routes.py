@@ -188,8 +188,10 @@ async def run_logs(
 @router.get("/cluster", summary="Nodes, devices and the runs on them")
 def cluster(principal: Reader, db_session: ReadSessionDep, settings: SettingsDep) -> dict[str, Any]:
     """Devices are GPUs, or slices of cores (`yatt_device`) on a CPU-only cluster. The caller's
-    project's active runs are listed; other projects' appear only as `other_projects.devices`,
-    the devices they hold, with no ids, names or counts of runs."""
+    project's active runs are listed, and in `assignments` the roles (train / rollout / reward)
+    on each of their devices, from each run's newest `placement` event; other projects' appear
+    only as `other_projects.devices`, the devices they hold, with no ids, names, roles or counts
+    of runs."""
     ray = _cluster_or_none(settings)
     try:
         view = service.cluster_view(s=db_session, cluster=ray)
@@ -202,10 +204,17 @@ def cluster(principal: Reader, db_session: ReadSessionDep, settings: SettingsDep
 
 
 def project_view(view: dict[str, Any], *, project_id: int) -> dict[str, Any]:
-    """The cluster view as one project may see it: its runs in full, the others' as a device count."""
-    own = [r for r in view.get("runs", []) if r.get("project_id") == project_id]
+    """The cluster view as one project may see it: its runs in full, the others' as a device count.
+    `assignments` lists the roles on each device of its own runs only (node, device, roles, run)."""
+    own = [{k: v for k, v in r.items() if k != "assignments"}
+           for r in view.get("runs", []) if r.get("project_id") == project_id]
+    assignments = [
+        {**a, "run_id": r["id"], "run_name": r.get("name")}
+        for r in view.get("runs", []) if r.get("project_id") == project_id
+        for a in r.get("assignments") or []
+    ]
     others = sum(int(r.get("devices") or 0) for r in view.get("runs", []) if r.get("project_id") != project_id)
-    return {**view, "runs": own, "other_projects": {"devices": others}}
+    return {**view, "runs": own, "assignments": assignments, "other_projects": {"devices": others}}
 
 
 def install(app: Any) -> None:

@@ -477,12 +477,57 @@ def attempt_log(*, s: Session, cluster: RayCluster | None, run: Run, attempt: in
     return (stored.text if stored else ""), False
 
 
+def latest_plans(s: Session, runs: list[Run]) -> dict[int, dict[str, Any]]:
+    """Each run's newest placement plan in its current attempt: the data of its newest `placement`
+    event that carries device lists (an auto planner's decision events carry none)."""
+    attempts = {r.id: r.attempt for r in runs}
+    if not attempts:
+        return {}
+    events = s.scalars(
+        select(RunEvent)
+        .where(RunEvent.run_id.in_(list(attempts)), RunEvent.kind == "placement")
+        .order_by(RunEvent.id.desc())
+    )
+    plans: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e.run_id in plans or e.attempt != attempts[e.run_id]:
+            continue
+        if isinstance(e.data, dict) and isinstance(e.data.get("train_devices"), list):
+            plans[e.run_id] = e.data
+    return plans
+
+
+def device_assignments(plan: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The roles on each of a run's devices (`train`, `rollout`, `reward`), from a placement
+    event's data (trainer/placement/plan.py `to_event`). `device` is the run's own device index
+    (0..devices-1, its placement-group bundle); `node_id` is that device's Ray node when the
+    plan spans several nodes (trainer/placement/nodes.py), else None. No plan: no rows."""
+    if not plan:
+        return []
+
+    def ints(key: str) -> set[int]:
+        return {d for d in plan.get(key) or [] if isinstance(d, int)}
+
+    train, reward = ints("train_devices"), ints("reward_devices")
+    rollout = ints("rollout_devices") | ints("local_sampler_devices")
+    nodes = plan.get("nodes") if isinstance(plan.get("nodes"), list) else []
+    count = plan.get("devices") if isinstance(plan.get("devices"), int) else 0
+    out = []
+    for d in sorted(set(range(count)) | train | rollout | reward):
+        roles = [name for name, pool in (("train", train), ("rollout", rollout), ("reward", reward))
+                 if d in pool]
+        out.append({"device": d, "node_id": nodes[d] if 0 <= d < len(nodes) else None, "roles": roles})
+    return out
+
+
 def cluster_view(*, s: Session, cluster: RayCluster | None) -> dict[str, Any]:
-    """Nodes, devices (total / used / free) and the runs holding them."""
+    """Nodes, devices (total / used / free) and the runs holding them, with the roles on each
+    device of a run that has logged its placement (`assignments`)."""
     active = lifecycle.runs_in_states(
         db_session=s, states=[RunState.starting, RunState.running, RunState.cancelling]
     )
     used = sum(devices_needed(r.config) for r in active)
+    plans = latest_plans(s, active)
     view: dict[str, Any] = {
         "address": cluster.address if cluster else None,
         "reachable": False,
@@ -496,6 +541,7 @@ def cluster_view(*, s: Session, cluster: RayCluster | None) -> dict[str, Any]:
                 "state": r.state,
                 "devices": devices_needed(r.config),
                 "placement": (r.config.get("placement") or {}).get("mode"),
+                "assignments": device_assignments(plans.get(r.id)),
             }
             for r in active
         ],

@@ -200,6 +200,49 @@ def test_cluster_shows_other_projects_only_as_device_counts(live_api: LiveAPI) -
     other.close()
 
 
+def test_cluster_shows_the_roles_on_each_device_of_own_runs_only(live_api: LiveAPI) -> None:
+    other = live_api.client_for("admin", project=f"{live_api.project}-other")
+    theirs = other.create_run(experiment="secret-exp", name="secret-run", config=CONFIG)
+    mine = live_api.client.create_run(experiment="exp", name="my-run", config=CONFIG)
+    colocate = {"mode": "colocate", "devices": 2, "train_devices": [0, 1],
+                "local_sampler_devices": [0, 1], "rollout_devices": [], "reward_devices": []}
+    split = {"mode": "disaggregated", "devices": 2, "train_devices": [0], "local_sampler_devices": [],
+             "rollout_devices": [1], "reward_devices": [], "nodes": ["node-a", "node-b"]}
+    decision = {"decision": "measured", "switch": False, "plan": "disaggregated 1+1"}  # no device lists
+    with trainer_http(live_api, mine["id"]) as t:
+        r = t.post(f"/runs/{mine['id']}/events", json={"events": [
+            {"kind": "placement", "message": "colocate", "data": colocate},
+            {"kind": "placement", "message": "switched", "data": split},
+            {"kind": "placement", "message": "measured", "data": decision}]})
+        assert r.status_code < 300, r.text
+    with trainer_http(live_api, theirs["id"]) as t:
+        r = t.post(f"/runs/{theirs['id']}/events", json={"events": [
+            {"kind": "placement", "message": "x", "data": {**colocate, "nodes": ["secret-node"] * 2}}]})
+        assert r.status_code < 300, r.text
+    view = live_api.client.cluster()
+    assert view["assignments"] == [
+        {"device": 0, "node_id": "node-a", "roles": ["train"], "run_id": mine["id"], "run_name": "my-run"},
+        {"device": 1, "node_id": "node-b", "roles": ["rollout"], "run_id": mine["id"], "run_name": "my-run"},
+    ]
+    assert [r["id"] for r in view["runs"]] == [mine["id"]] and "assignments" not in view["runs"][0]
+    assert view["other_projects"]["devices"] >= 2
+    text = json.dumps(view)
+    assert "secret" not in text and all(a["run_id"] != theirs["id"] for a in view["assignments"])
+    # the other project sees its own run's roles, and none of ours
+    theirs_view = other.cluster()
+    assert {(a["run_id"], a["node_id"]) for a in theirs_view["assignments"]} == {(theirs["id"], "secret-node")}
+    assert [a["roles"] for a in theirs_view["assignments"]] == [["train", "rollout"], ["train", "rollout"]]
+    assert "my-run" not in json.dumps(theirs_view)
+    from backend.runs import lifecycle
+
+    with live_api.database.session() as s:
+        for run in (theirs, mine):
+            lifecycle.transition(db_session=s, run_id=run["id"], to_state="failed", reason="test over")
+        s.commit()
+    assert all(a["run_id"] != mine["id"] for a in live_api.client.cluster()["assignments"])
+    other.close()
+
+
 def test_readyz_says_database_unavailable_and_no_more(live_api: LiveAPI, tmp_path: Any) -> None:
     from fastapi.testclient import TestClient
 
