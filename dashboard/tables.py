@@ -226,12 +226,15 @@ def _cell(value: Any) -> Any:
 
 
 def cluster_tables(info: Mapping[str, Any]) -> ClusterView:
-    """Lists become tables (nested records flattened to dotted columns); numbers and small
-    records become headline figures; text becomes the note."""
+    """Lists become tables (nested records flattened to dotted columns), `assignments` the
+    "Devices by role" table (`device_role_rows`); numbers and small records become headline
+    figures; text becomes the note."""
     view = ClusterView()
     for key, value in info.items():
         title = key.replace("_", " ").capitalize()
-        if isinstance(value, list):
+        if key == "assignments" and isinstance(value, list):
+            view.tables["Devices by role"] = device_role_rows(value, info.get("nodes") or [])
+        elif isinstance(value, list):
             view.tables[title] = [
                 {k: _cell(v) for k, v in flatten(item).items()} if isinstance(item, Mapping)
                 else {"value": item}
@@ -248,6 +251,25 @@ def cluster_tables(info: Mapping[str, Any]) -> ClusterView:
         elif isinstance(value, str):
             view.note = (view.note + " · " if view.note else "") + f"{title}: {value}"
     return view
+
+
+def device_role_rows(assignments: Iterable[Mapping[str, Any]],
+                     nodes: Iterable[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """GET /cluster `assignments` as the "Devices by role" table, grouped by node: one row per
+    device of a run (node, device, role, run). A device with no node id is on the only node when
+    the cluster has one, else its node is unknown ("—")."""
+    node_ids = [n.get("node_id") for n in nodes if isinstance(n, Mapping)]
+    sole = node_ids[0] if len(node_ids) == 1 else None
+    keyed = []
+    for a in assignments:
+        if not isinstance(a, Mapping):
+            continue
+        node = a.get("node_id") or sole or "—"
+        row = {"node": node, "device": a.get("device"),
+               "role": " + ".join(a.get("roles") or []) or "—",
+               "run": f"#{a.get('run_id')} {a.get('run_name') or ''}".strip()}
+        keyed.append(((node == "—", str(node), a.get("run_id") or 0, a.get("device") or 0), row))
+    return [row for _, row in sorted(keyed, key=lambda kr: kr[0])]
 
 
 def _figure(value: Any) -> str:

@@ -74,7 +74,9 @@ def _report_steps(c: YattClient, run_id: int, steps: int, t0: float) -> None:
     c.post_metrics(run_id, points)
     c.post_events(run_id, [
         {"kind": "placement", "message": "colocate on 2 devices",
-         "data": {"mode": "colocate", "devices": DEVICES}},
+         "data": {"mode": "colocate", "devices": DEVICES, "train_devices": list(range(DEVICES)),
+                  "local_sampler_devices": list(range(DEVICES)), "rollout_devices": [],
+                  "reward_devices": []}},
         *(_spans(step, t0 + 2.5 * step) for step in range(steps)),
     ])
     c.post_checkpoint(run_id, step=steps - 1, path=f"runs/{run_id}/checkpoints/step-{steps - 1}",

@@ -1,4 +1,4 @@
-"""Cluster page: nodes, devices, which runs hold them, and what is free."""
+"""Cluster page: nodes, devices, which runs hold them (and in which role), and what is free."""
 
 from __future__ import annotations
 

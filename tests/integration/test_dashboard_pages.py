@@ -378,8 +378,15 @@ def test_cluster_page_shows_capacity_and_active_runs(as_admin: SeededApi) -> Non
     assert int(labels["Devices used"]) >= 2  # the seed's running run holds 2 (others may run)
     assert "Devices free" in labels
     assert any("no Ray cluster" in w.value for w in at.warning)
-    runs = at.dataframe[-1].value
-    assert as_admin.runs["running"] in set(runs["id"])
+    titles = [h.value for h in at.subheader]
+    empty = {c.value for c in at.caption}
+    tables = dict(zip([t for t in titles if f"No {t.lower()}." not in empty],
+                      (d.value for d in at.dataframe), strict=True))
+    assert as_admin.runs["running"] in set(tables["Runs"]["id"])
+    # the seed's running run logged a colocated plan: both its devices train and sample
+    by_role = tables["Devices by role"]
+    mine = by_role[by_role["run"] == f"#{as_admin.runs['running']} running"]
+    assert list(mine["device"]) == [0, 1] and set(mine["role"]) == {"train + rollout"}
 
 
 # --- Tokens ------------------------------------------------------------------------------------

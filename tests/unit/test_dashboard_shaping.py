@@ -28,6 +28,7 @@ from dashboard.launch_form import (
 )
 from dashboard.tables import (
     RunEvents,
+    cluster_tables,
     config_diff,
     event_rows,
     flatten,
@@ -332,3 +333,33 @@ def test_fetched_when_changed_calls_again_only_on_a_new_version() -> None:
         return len(calls)
 
     assert kept.get(0, fetch) == 1 and kept.get(0, fetch) == 1 and kept.get(1, fetch) == 2
+
+
+def test_cluster_page_groups_devices_by_node_with_their_roles() -> None:
+    info = {
+        "reachable": True,
+        "nodes": [{"node_id": "n-head", "devices": 4}, {"node_id": "n-b", "devices": 2}],
+        "runs": [{"id": 9, "name": "grpo", "state": "running", "devices": 3}],
+        "assignments": [
+            {"device": 2, "node_id": "n-b", "roles": ["rollout"], "run_id": 9, "run_name": "grpo"},
+            {"device": 0, "node_id": "n-head", "roles": ["train"], "run_id": 9, "run_name": "grpo"},
+            {"device": 1, "node_id": "n-b", "roles": ["rollout"], "run_id": 9, "run_name": "grpo"},
+            {"device": 0, "node_id": None, "roles": [], "run_id": 3, "run_name": None},
+            {"device": 0, "node_id": "n-b", "roles": ["train", "reward"], "run_id": 12, "run_name": "x"},
+        ],
+    }
+    view = cluster_tables(info)
+    assert view.tables["Devices by role"] == [
+        {"node": "n-b", "device": 1, "role": "rollout", "run": "#9 grpo"},
+        {"node": "n-b", "device": 2, "role": "rollout", "run": "#9 grpo"},
+        {"node": "n-b", "device": 0, "role": "train + reward", "run": "#12 x"},
+        {"node": "n-head", "device": 0, "role": "train", "run": "#9 grpo"},
+        {"node": "—", "device": 0, "role": "—", "run": "#3"},
+    ]
+    assert "Assignments" not in view.tables and view.tables["Runs"][0]["id"] == 9
+    # one node: a device without a node id is on it
+    single = cluster_tables({"nodes": [{"node_id": "only"}], "assignments": [
+        {"device": 1, "node_id": None, "roles": ["train", "rollout"], "run_id": 4, "run_name": "c"}]})
+    assert single.tables["Devices by role"] == [
+        {"node": "only", "device": 1, "role": "train + rollout", "run": "#4 c"}]
+    assert cluster_tables({"assignments": []}).tables["Devices by role"] == []
