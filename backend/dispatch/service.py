@@ -510,8 +510,9 @@ def device_assignments(plan: dict[str, Any] | None) -> list[dict[str, Any]]:
 
     train, reward = ints("train_devices"), ints("reward_devices")
     rollout = ints("rollout_devices") | ints("local_sampler_devices")
-    nodes = plan.get("nodes") if isinstance(plan.get("nodes"), list) else []
-    count = plan.get("devices") if isinstance(plan.get("devices"), int) else 0
+    raw_nodes, raw_count = plan.get("nodes"), plan.get("devices")
+    nodes: list[Any] = raw_nodes if isinstance(raw_nodes, list) else []
+    count: int = raw_count if isinstance(raw_count, int) else 0
     out = []
     for d in sorted(set(range(count)) | train | rollout | reward):
         roles = [name for name, pool in (("train", train), ("rollout", rollout), ("reward", reward))
