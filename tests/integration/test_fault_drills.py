@@ -312,10 +312,13 @@ def test_redis_restarted_with_runs_training_and_queued_doubles_and_strands_none(
 
 
 def test_ray_node_killed_mid_run_resumes_from_checkpoint_with_every_step_once(drill: Drill) -> None:
-    steps = 60
+    steps = 150
     run = submit(drill.api, tiny_config(drill.model_dir, steps=steps, checkpoint__every_steps=10), max_attempts=2)
     running = wait_state(drill.api, run["id"], {"running"}, drill.stack, timeout_s=STARTUP_S)
     run_dir = Path(running["run_dir"])
+    # kill once a checkpoint is stored (the driver has then taken every report up to it, so the
+    # resume point is at least there); what is stored lags what is trained by tens of steps on a
+    # quiet machine, so the run is long enough (a 60-step run was over by then: nothing restarted)
     newest = wait_for("a stored checkpoint", lambda: drill.sql(
         "SELECT max(step) FROM checkpoints WHERE run_id = %s HAVING count(*) > 0", run["id"]), STARTUP_S)[0][0]
     at_kill = stored_max_step(drill, run["id"])
