@@ -55,7 +55,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.glob("step_*") if (p / MARKER).exists()]
-    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+    return sorted(done, key=step_of)
 
 
 def latest_checkpoint(run_dir: str | Path, *, at_most: int | None = None) -> Path | None:

@@ -154,10 +154,10 @@ class Driver:
         resume = ckpt.latest_checkpoint(self.run_dir)
         if resume is not None:
             self.reporter.log_event("restart", f"resuming from {resume.name}",
-                                    {"resume_step": int(resume.name.split('_')[1]),
+                                    {"resume_step": ckpt.step_of(resume),
                                      "attempt": os.environ.get("YATT_ATTEMPT")})
-            self.resumed_from.append(int(resume.name.split("_")[1]))
             self._reported_step = ckpt.step_of(resume)
+            self.resumed_from.append(self._reported_step)
         ControllerActor, RolloutActor = _remote_classes()
         results: list[dict[str, Any]] = []
         try:
