@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/gpu_check.py            # one GPU (H200: under 8 minutes)
     PYTHONPATH=. python bench/gpu_check.py --tiny     # CPU, tiny shapes (what the tests run)
+    PYTHONPATH=. python bench/gpu_check.py --profile --only Qwen2.5-0.5B   # where a step's time goes
 
 No Ray, no vLLM, no network: each model is built from a config with random weights (the shapes
 of Qwen2.5-0.5B and Qwen2.5-1.5B, vocabulary included), saved to a temporary directory, and
@@ -14,6 +15,12 @@ pre-launch estimate of `trainer/placement/memory.py`, and the device memory the 
 before and after `Learner.release_device` (what colocate frees for the sampler). Without ``--tiny`` it writes its section
 of docs/benchmarks.md.
 
+``--profile`` skips generation: it runs one training step of each shape under
+``torch.profiler`` (CPU and CUDA), prints the GPU's busy fraction of the step, the time per phase
+(reference pass, policy forward, backward, optimizer) and the top operators by self CUDA and self
+CPU time, then times the step under a few settings (micro-batch size, gradient checkpointing)
+so that what the profile suggests is checked by measurement in the same run.
+
 MFU counts model FLOPs only (no recompute): per sequence of ``S`` tokens with ``R`` response
 tokens, a forward is ``2·N_blocks·S + 2·H·V·R`` (the LM head runs on response positions only)
 ``+ 2·L·H·S²`` (causal attention); training is three forwards' worth, the reference pass one.
@@ -22,11 +29,14 @@ tokens, a forward is ``2·N_blocks·S + 2·H·V·R`` (the LM head runs on respon
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,7 +76,9 @@ class Workload:
     gen_tokens: int
 
 
-GPU_WORK = Workload(rows=64, prompt_tokens=128, response_tokens=384, micro_batch=8, steps=4,
+# micro-batches of 32 rows: at 8 the step was bound by kernel launches (kernels 16% of it, 49k
+# launches per step; --profile, docs/benchmarks.md, GPU check), 32 ran the step 2.3x faster.
+GPU_WORK = Workload(rows=64, prompt_tokens=128, response_tokens=384, micro_batch=32, steps=4,
                     gen_prompts=32, gen_n=8, gen_tokens=256)
 TINY_WORK = Workload(rows=8, prompt_tokens=8, response_tokens=8, micro_batch=4, steps=2,
                      gen_prompts=2, gen_n=2, gen_tokens=4)
@@ -115,7 +127,9 @@ def _config(model_dir: Path, work: Workload, device_type: str) -> dict:
         "train": {"strategy": "fsdp2", "mixed_precision": "bf16", "gradient_checkpointing": True,
                   "lr": 1e-6, "batch_size": max(1, work.rows // work.gen_n),
                   "micro_batch_size": work.micro_batch},
-        "rollout": {"engine": "hf", "n": work.gen_n, "max_new_tokens": work.gen_tokens,
+        # the trained batches' responses (what the memory estimate reads); generation below
+        # takes gen_tokens
+        "rollout": {"engine": "hf", "n": work.gen_n, "max_new_tokens": work.response_tokens,
                     "temperature": 1.0},
         "placement": {"device_type": device_type, "devices": 1, "mode": "colocate"},
     }
@@ -158,7 +172,8 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) 
     cfg = parse_config(_config(model_dir, work, device_type))
     build_s = time.time() - t0
     avail = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else None
-    est = estimate_memory(cfg, device_type=device_type, available_bytes=avail)
+    est = estimate_memory(cfg, device_type=device_type, available_bytes=avail,
+                          prompt_tokens=work.prompt_tokens)
     assert est is not None
     train_parts = ("policy", "gradients", "optimizer", "reference", "activations")
     est_train = sum(v for k, v in est.parts.items() if k in train_parts) / GiB
@@ -188,6 +203,7 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) 
 
     gen_cfg = cfg.model_copy(deep=True)
     gen_cfg.model.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    gen_cfg.rollout.max_new_tokens = work.gen_tokens
     engine = HFEngine(model_dir, gen_cfg, device=str(device), chunk_size=work.gen_prompts * work.gen_n)
     t = time.time()
     engine.update_weights(learner.iter_named_weights())
@@ -215,6 +231,98 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) 
     }
 
 
+class _ProfileSpans:
+    """The learner's phase recorder, as profiler ranges (``rl_step(recorder=...)``)."""
+
+    def span(self, phase: str, *, device: int | None = None) -> Any:
+        return torch.profiler.record_function(f"phase/{phase}")
+
+
+def _timed_steps(learner: Any, work: Workload, device: torch.device, steps: int) -> float:
+    """Median wall seconds of ``steps`` RL steps (after one untimed one)."""
+    learner.rl_step(_batch(work, 300, 0))
+    times = []
+    for step in range(1, steps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.time()
+        learner.rl_step(_batch(work, 300, step))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.time() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def profile_model(shape: Shape, work: Workload, device: torch.device, root: Path,
+                  out_dir: Path | None) -> dict:
+    """One profiled training step of ``shape``, then the step timed under other settings."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer.config import parse_config
+    from trainer.learner import Learner
+
+    model_dir = build_model(shape, root / shape.name)
+    device_type = "gpu" if device.type == "cuda" else "cpu"
+    base = _config(model_dir, work, device_type)
+    learner = Learner(parse_config(base), model_dir, device=str(device))
+    for step in range(2):  # lazy init and allocator warm-up
+        learner.rl_step(_batch(work, 300, step))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    batch = _batch(work, 300, 3)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.time()
+    with profile(activities=activities, record_shapes=False) as prof:
+        learner.rl_step(batch, recorder=_ProfileSpans())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall = time.time() - t
+    events = prof.key_averages()
+    dev_attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    # the kernels' own rows only: an operator's row repeats the time of the kernels it launched
+    busy_us = sum(getattr(e, dev_attr, 0.0) for e in events
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"\n## {shape.name}: profiled step {wall:.2f} s wall (profiler on), "
+          f"GPU busy {busy_us / 1e6:.2f} s ({100 * busy_us / 1e6 / wall:.0f}% of the step)", flush=True)
+    phases = {e.key: e.cpu_time_total / 1e6 for e in events if e.key.startswith("phase/")}
+    print("phases (wall s): " + ", ".join(f"{k[6:]} {v:.2f}" for k, v in phases.items()))
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=18, max_name_column_width=60))
+    if device.type == "cuda":
+        print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    if out_dir is not None:
+        prof.export_chrome_trace(str(out_dir / f"profile-{shape.name}.json"))
+    del learner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # the same step under other settings: does what the profile suggests move the wall time?
+    small = max(1, work.micro_batch // 4)
+    variants = {"as profiled": {},
+                f"micro-batch {small}": {"train": {"micro_batch_size": small}},
+                "no gradient checkpointing": {"train": {"gradient_checkpointing": False}},
+                f"micro-batch {small}, no checkpointing": {"train": {"micro_batch_size": small,
+                                                                      "gradient_checkpointing": False}}}
+    timed: dict[str, float | str] = {}
+    for name, change in variants.items():
+        cfg = {k: (dict(v, **change.get(k, {})) if isinstance(v, dict) else v) for k, v in base.items()}
+        try:
+            learner = Learner(parse_config(cfg), model_dir, device=str(device))
+            timed[name] = _timed_steps(learner, work, device, work.steps)
+            peak = _peak(device)
+            print(f"{shape.name} {name}: {timed[name]:.2f} s/step"
+                  + (f", peak {peak:.1f} GiB" if peak is not None else ""), flush=True)
+        except Exception as exc:  # out of memory without checkpointing, say: recorded, not fatal
+            timed[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            print(f"{shape.name} {name}: failed: {timed[name]}", flush=True)
+        finally:
+            learner = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+    return {"model": shape.name, "profiled_wall_s": wall, "gpu_busy_s": busy_us / 1e6,
+            "phases": phases, "variants": timed}
+
+
 def _fmt(v: float | None, spec: str) -> str:
     if v is None:
         return "n/a"
@@ -240,6 +348,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--tiny", action="store_true", help="CPU and tiny shapes (a functional check)")
     ap.add_argument("--only", action="append", default=[], metavar="MODEL",
                     help="run only these shapes (e.g. Qwen2.5-1.5B); the tiny one always runs first")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one training step per shape and time it under other settings")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.tiny:
@@ -251,6 +361,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # the tiny shape first: the whole path on the GPU in seconds, before the real shapes
         device, shapes, work = torch.device("cuda", 0), [TINY, QWEN25_05B, QWEN25_15B], GPU_WORK
         shapes = [s for s in shapes if s is TINY or not args.only or s.name in args.only]
+    if args.profile:
+        out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+        with tempfile.TemporaryDirectory(prefix="yatt-gpu-profile-") as tmp:
+            found = [profile_model(s, work, device, Path(tmp), out) for s in shapes]
+        print(json.dumps(found, indent=1))
+        print(f"total {time.time() - t0:.0f} s")
+        return found
     rows, failed = [], []
     with tempfile.TemporaryDirectory(prefix="yatt-gpu-check-") as tmp:
         for shape in shapes:

@@ -147,11 +147,21 @@ class ResponseLogprobs(nn.Module):
         self.lm = causal_lm
 
     def forward(self, ids: Tensor, attn: Tensor, index: Tensor, *, entropy: bool = False,
-                temperature: float = 1.0, response_only: bool = True) -> tuple[Tensor, Tensor | None]:
+                entropy_grad: bool = True, temperature: float = 1.0, response_only: bool = True
+                ) -> tuple[Tensor, Tensor | None]:
         """``temperature`` divides the logits, so the log-probs are those of the distribution the
         sampler drew from. Logits are built only at the response positions and a few positions
         at a time (never a full fp32 ``[B, L, V]``): the LM head runs on gathered hidden states.
+        With ``entropy_grad=False`` the entropy is a reported figure only: computed outside
+        autograd, so its softmax is not kept for the backward (one ``[B, T, V]`` fp32 less).
         """
+        def ent_of(logits: Tensor, lse: Tensor | None = None) -> Tensor:
+            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+                x = logits if entropy_grad else logits.detach()
+                if lse is None:
+                    return A.entropy_from_logits(x)
+                return (lse if entropy_grad else lse.detach()) - (torch.softmax(x, dim=-1) * x).sum(-1)
+
         model = self.lm
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not response_only or head is None or not hasattr(model, "get_decoder") or _scales_logits(model):
@@ -159,7 +169,7 @@ class ResponseLogprobs(nn.Module):
             if temperature > 0 and temperature != 1.0:
                 logits = logits / temperature
             lp = A.token_logprobs(logits, ids[:, 1:]).gather(1, index)
-            ent = A.entropy_from_logits(logits).gather(1, index) if entropy else None
+            ent = ent_of(logits).gather(1, index) if entropy else None
             return lp, ent
         # no KV cache: a training forward never decodes further
         hidden = model.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
@@ -167,7 +177,8 @@ class ResponseLogprobs(nn.Module):
         targets = ids.gather(1, index + 1)
         rows, length = targets.shape
         vocab = int(head.weight.shape[0])
-        step = max(1, LOGITS_CHUNK_ELEMENTS // max(1, rows * vocab))  # positions per chunk
+        budget = LOGITS_CHUNK_ELEMENTS * (LOGITS_CHUNK_GPU_FACTOR if h.is_cuda else 1)
+        step = max(1, budget // max(1, rows * vocab))  # positions per chunk
         lps, ents = [], []
         for t in range(0, length, step):
             logits = head(h[:, t : t + step]).float()
@@ -176,7 +187,7 @@ class ResponseLogprobs(nn.Module):
             lse = torch.logsumexp(logits, dim=-1)
             lps.append(logits.gather(-1, targets[:, t : t + step, None]).squeeze(-1) - lse)
             if entropy:
-                ents.append(lse - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+                ents.append(ent_of(logits, lse))
         return torch.cat(lps, dim=1), (torch.cat(ents, dim=1) if entropy else None)
 
 
@@ -284,6 +295,11 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 # fp32 logits built at once by the log-prob pass: about 64 MiB, whatever the vocabulary
 LOGITS_CHUNK_ELEMENTS = 16 * 2**20
+# On a GPU the chunks are 8x larger (512 MiB): the step there is bound by kernel launches, and
+# a training forward keeps every chunk's logits for its backward anyway, so larger chunks cost
+# no peak memory there (profile: Qwen2.5-0.5B shape, 8 rows x 384 response tokens, a 152k
+# vocabulary: 30 chunks per forward at 64 MiB, 4 at 512 MiB; docs/benchmarks.md, GPU check).
+LOGITS_CHUNK_GPU_FACTOR = 8
 
 
 def _scales_logits(model: nn.Module) -> bool:
@@ -458,12 +474,12 @@ class Learner:
         return ids.to(self.device), attn.to(self.device), index.to(self.device), mask.to(self.device)
 
     def _logprobs(self, model: nn.Module, ids: Tensor, attn: Tensor, index: Tensor, *,
-                  entropy: bool = False, temperature: float = 1.0, response_only: bool = True
-                  ) -> tuple[Tensor, Tensor | None]:
+                  entropy: bool = False, entropy_grad: bool = True, temperature: float = 1.0,
+                  response_only: bool = True) -> tuple[Tensor, Tensor | None]:
         """Response-aligned log-probs ``[B, T]`` (and entropies) of ``model`` on the batch."""
         run = self._forwards.get(id(model)) or ResponseLogprobs(model)
-        return run(ids, attn, index, entropy=entropy, temperature=temperature,
-                   response_only=response_only)
+        return run(ids, attn, index, entropy=entropy, entropy_grad=entropy_grad,
+                   temperature=temperature, response_only=response_only)
 
     def _values(self, ids: Tensor, attn: Tensor, index: Tensor) -> Tensor:
         assert self.critic is not None
@@ -674,7 +690,7 @@ class Learner:
                     mw = (c.stop - c.start) / rows
                 with self.autocast():
                     lp, ent = self._logprobs(self.policy, ids[c], attn[c], index[c], entropy=True,
-                                             temperature=temp)
+                                             entropy_grad=want_entropy_grad, temperature=temp)
                 assert ent is not None
                 if epoch == 0:
                     # before any update the policy is the proximal policy: its log-probs are "old"

@@ -148,6 +148,24 @@ def test_logprobs_at_response_positions_match_the_full_forward(nano):
     torch.testing.assert_close(ent[m], want_ent[m], rtol=1e-5, atol=1e-5)
 
 
+def test_entropy_is_trained_only_when_asked_and_equal_either_way(nano):
+    """`entropy_grad=False` (entropy_coef 0, the default) keeps the entropy out of autograd — its
+    softmax is not held for the backward — with the same values; True gives it a gradient."""
+    from trainer import learner as L
+
+    learner = L.Learner(parse_config(_cfg(nano, name="grpo", kl_coef=0.0)), nano)
+    batch = _batch(learner, 0, 0, rows=4)
+    ids, attn, index, mask = learner._layout(batch.prompt_ids, batch.response_ids)
+    lp_a, ent_a = learner._logprobs(learner.policy, ids, attn, index, entropy=True, entropy_grad=True)
+    lp_b, ent_b = learner._logprobs(learner.policy, ids, attn, index, entropy=True, entropy_grad=False)
+    assert ent_a is not None and ent_b is not None
+    assert ent_a.requires_grad and not ent_b.requires_grad and lp_b.requires_grad
+    torch.testing.assert_close(ent_a.detach(), ent_b)
+    torch.testing.assert_close(lp_a.detach(), lp_b.detach())
+    (ent_a * mask).sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in learner.policy.parameters())
+
+
 def _controller_run(cfg_data: dict, run_dir: Path, model_dir: Path, max_steps: int) -> dict:
     """One rank's controller loop in this process (world of one, HF sampler): step → metrics."""
     import copy

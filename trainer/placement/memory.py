@@ -149,9 +149,11 @@ def _resolved_device_type(cfg: TrainerConfig) -> str:
 
 def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
                     available_bytes: float | None = None,
-                    shape: ModelShape | None = None) -> MemoryEstimate | None:
+                    shape: ModelShape | None = None,
+                    prompt_tokens: int | None = None) -> MemoryEstimate | None:
     """Peak bytes per device for `cfg`'s placement; None when the model's shape is unknown (a hub
-    id not downloaded yet)."""
+    id not downloaded yet). `prompt_tokens`: the prompts' length when it is known (a benchmark's
+    fixed batches); otherwise it is guessed from the data settings."""
     shape = shape or model_shape(cfg)
     if shape is None:
         return None
@@ -169,14 +171,17 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
         train["reference"] = weights
     if algo.name == "ppo":
         train["critic"] = 4 * weights
-    seq = _seq_tokens(cfg)
+    seq = _seq_tokens(cfg, prompt_tokens)
     mb = min(cfg.train.micro_batch_size, cfg.train.batch_size * cfg.rollout.n)
     # gradient checkpointing keeps each block's input and recomputes one block at a time
     kept_layers = 1 if cfg.train.gradient_checkpointing else shape.layers
     kept_inputs = shape.layers * shape.hidden * 4 if cfg.train.gradient_checkpointing else 0
-    train["activations"] = mb * seq * (kept_layers * shape.hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER
-                                       + kept_inputs
-                                       + 3 * shape.vocab * 4)  # logits, log-softmax, grad, fp32
+    # the LM head runs at response positions only; its fp32 logits stay for the backward (their
+    # gradient exists one chunk at a time), and the entropy's softmax too when it is trained
+    logit_bytes = (8 if algo.entropy_coef > 0 else 4) * shape.vocab
+    train["activations"] = mb * (seq * (kept_layers * shape.hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER
+                                        + kept_inputs)
+                                 + cfg.rollout.max_new_tokens * logit_bytes)
     if cfg.train.strategy == "fsdp2":
         # each rank holds 1/ranks of every sharded state, plus the blocks gathered for compute
         # (the one running and the next) and the root's (embeddings, LM head), in compute dtype
@@ -234,10 +239,10 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
                           parts=parts, devices=devices)
 
 
-def _seq_tokens(cfg: TrainerConfig) -> int:
+def _seq_tokens(cfg: TrainerConfig, prompt_tokens: int | None = None) -> int:
     # prompts of the built-in task are short; a file's prompts are bounded by the context
     prompt = 4 * cfg.data.arithmetic.digits + 4 if cfg.data.path is None else 512
-    return prompt + cfg.rollout.max_new_tokens
+    return (prompt if prompt_tokens is None else prompt_tokens) + cfg.rollout.max_new_tokens
 
 
 def _hf_kv_bytes(shape: ModelShape, cfg: TrainerConfig, wb: int) -> float:
