@@ -276,6 +276,10 @@ def _cause_text(cause: dict[str, Any], threshold: float) -> str:
         why = "the same work takes a different time: the machine's speed or load changed, not the work"
     else:
         why = "the work changed and so did the time it takes"
+    if cause.get("model_update") == "per_phase":
+        why += (", not alike in every phase: the other plans' steps before step "
+                f"{cause.get('stale_before_step')} are stale, and each plan is predicted under every "
+                "attribution of the change to a phase's terms (per token or per step)")
     return (f" (work per step changed {work:.0%}; at the work done now the model is off by "
             f"{err:.0%}: {why})")
 
@@ -453,11 +457,9 @@ class AutoPlanner:
             c_lo, c_hi = by_point[cur]["predicted_range_s"]
             remaining = self.max_steps - step
             reason = (f"measured phase times drifted {drift:.0%} from the prediction"
-                      f"{_cause_text(cause, self.drift_threshold)}; the other plans' steps before step "
-                      f"{self.fresh_since} are stale and one plan's new steps cannot tell which term "
-                      f"of a phase changed: {layout_label(target)} predicted {lo:.3f}–{hi:.3f} s/step "
-                      f"vs {c_lo:.3f}–{c_hi:.3f} for {layout_label(cur)} (up to {maybe[target]:.1%} "
-                      "faster): ")
+                      f"{_cause_text(cause, self.drift_threshold)}; {layout_label(target)} predicted "
+                      f"{lo:.3f}–{hi:.3f} s/step vs {c_lo:.3f}–{c_hi:.3f} for {layout_label(cur)} "
+                      f"(up to {maybe[target]:.1%} faster; this plan's steps alone cannot say which): ")
             # what the remaining steps would save under the attribution most in the plan's favour
             saving = max(by[cur]["predicted_step_s"] - by[target]["predicted_step_s"]
                          for by in ({p["layout"]: p for p in vp} for vp in variants))
