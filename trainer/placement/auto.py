@@ -411,6 +411,7 @@ class AutoPlanner:
                 cause["model_update"] = "rescaled"
             else:
                 return self._replan_per_phase(step, recent, drift, measured["step"], cause)
+        assert self.params is not None  # fitted at the profile's end, before any check
         preds = self._predictions(self.params, recent)
         fitting = [p for p in preds if p["fits"]]
         best = min(fitting, key=lambda p: p["predicted_step_s"])
