@@ -20,9 +20,13 @@ plan, resume). Phases of a run:
    changed (tokens, response lengths) and how far the model is off on the work done now — and
    updates the model by the cause: the work changed and the model predicts it → the same model;
    every phase took the same factor longer for its work (the machine's speed or load) → the model
-   rescaled by that factor, which moves every plan alike; otherwise → refitted on the recent
-   steps. Then the candidates are compared again on the current work: a switch, or "kept" when
-   the gain is too small. After a switch the measured step time of the new plan is reported; a
+   rescaled by that factor, which moves every plan alike; otherwise one part of the step changed,
+   the other plans' steps from before the shift are stale, and each candidate is predicted under
+   every attribution of the change to a phase's terms (`_replan_per_phase`): a plan faster under
+   all of them is switched to, one faster under some only is re-profiled (measured for
+   `profile_steps` steps, the faster kept). Then the candidates are compared again on the current
+   work: a switch, or "kept" when the gain is too small. After a switch the measured step time of
+   the new plan is reported and the model refitted on the steps both plans ran since the shift; a
    switch that measured slower than the plan it left is reverted.
 
 Candidates come from `CANDIDATE_FAMILIES`, one entry per mode: colocate, disaggregated with every
@@ -230,7 +234,35 @@ def _scaled(p: CostParams, factor: float) -> CostParams:
     return out
 
 
-def _cause_text(cause: dict[str, float], threshold: float) -> str:
+def _mean_params(ps: list[CostParams]) -> CostParams:
+    """The term-by-term mean of parameter sets that differ only in finite terms."""
+    out = replace(ps[0])
+    for f in fields(CostParams):
+        vals = [getattr(p, f.name) for p in ps]
+        if all(math.isfinite(v) for v in vals):
+            setattr(out, f.name, _mean(vals))
+    return out
+
+
+def _spread_predictions(variants: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One prediction per candidate from the same candidates predicted under several parameter
+    sets: the mean phase and step times, `predicted_range_s` (the least and the most), and `fits`
+    only when every set predicts a finite step time."""
+    out = []
+    for same in zip(*variants, strict=True):
+        steps = [p["predicted_step_s"] for p in same]
+        if any(s is None for s in steps):
+            out.append({**same[0], "fits": False, "predicted_step_s": None, "predicted_range_s": None})
+            continue
+        phases = PhaseTimes(**{f.name: _mean([getattr(p["phases"], f.name) for p in same])
+                               for f in fields(PhaseTimes)})
+        out.append({**same[0], "phases": phases, "predicted_step_s": round(_mean(steps), 4),
+                    "predicted_range_s": [round(min(steps), 4), round(max(steps), 4)],
+                    "fits": all(p["fits"] for p in same)})
+    return out
+
+
+def _cause_text(cause: dict[str, Any], threshold: float) -> str:
     work, err = cause.get("work_change"), cause.get("model_error")
     if work is None or err is None:
         return ""
@@ -244,6 +276,10 @@ def _cause_text(cause: dict[str, float], threshold: float) -> str:
         why = "the same work takes a different time: the machine's speed or load changed, not the work"
     else:
         why = "the work changed and so did the time it takes"
+    if cause.get("model_update") == "per_phase":
+        why += (", not alike in every phase: the other plans' steps before step "
+                f"{cause.get('stale_before_step')} are stale, and each plan is predicted under every "
+                "attribution of the change to a phase's terms (per token or per step)")
     return (f" (work per step changed {work:.0%}; at the work done now the model is off by "
             f"{err:.0%}: {why})")
 
@@ -278,6 +314,8 @@ class AutoPlanner:
         self._stopped_at: float | None = None  # when the last gang's final step was reported
         self._followup: Decision | None = None  # the switch whose measured step time is due
         self._left: tuple[Layout, float] | None = None  # the plan a switch left, its measured s/step
+        self.fresh_since = 0  # steps before this one were measured before the last shift: stale
+        self._reprofiling = False  # the pending switch measures a plan the model could not decide on
 
     # ------------------------------------------------------------------ the driver's calls
     def observe(self, step: int, metrics: dict[str, float], *, now: float | None = None) -> list[Decision]:
@@ -346,33 +384,104 @@ class AutoPlanner:
         drift = _gap(measured, self.anchor)
         # why: did the work per step change, or the time the same work takes (load, a slower
         # device)? The model as fitted at the last decision, on the work done now, tells them apart.
-        cause = {"work_change": _work_change(self.anchor_work, _work(recent))}
+        cause: dict[str, Any] = {"work_change": _work_change(self.anchor_work, _work(recent))}
         if self.params is not None:
             cause["model_error"] = _gap(measured, self._predict(self.params, recent, self.layout))
         self.checks.append({"step": step, "drift": drift, **cause})
         if drift <= self.drift_threshold:
             return []
-        recent = recent[-max(4, self.replan_every // 2):]  # the drift may have begun mid-window
-        speed = self._uniform_speed(recent)
         if cause.get("model_error", math.inf) <= self.drift_threshold:
-            pass  # the work changed and the model predicts this plan on it: compare the plans on it
-        elif speed is not None:
-            # every phase that matters takes the same factor longer (or shorter) for its work: the
-            # machine's speed changed (load), which moves every plan alike. A refit on this plan's
-            # new steps beside the other plans' old ones would credit those with the old speed.
-            assert self.params is not None
-            self.params = _scaled(self.params, speed)
-            cause["speed_factor"] = speed
+            # the work changed and the model predicts this plan on it: compare the plans on it
+            recent = recent[-max(4, self.replan_every // 2):]
+            cause["model_update"] = "same"
         else:
-            # refit on what is true now: this plan's newest steps, and each other plan's newest ones
-            window = list(recent)
-            for layout in {o.layout for o in self.obs} - {self.layout}:
-                window += self._recent(layout, self.profile_steps)
-            self.params = self._fit(window, prior=self.params)
+            recent = self._since_shift(recent)  # the drift may have begun mid-window
+            self.fresh_since = self._step_of(recent[0])
+            measured["step"] = _mean([o.get("time/step") for o in recent])
+            cause["stale_before_step"] = self.fresh_since
+            speed = self._uniform_speed(recent)
+            if speed is not None:
+                # every phase that matters takes the same factor longer (or shorter) for its work:
+                # the machine's speed changed (load), which moves every plan alike. A refit on this
+                # plan's new steps beside the other plans' old ones would credit those with the old
+                # speed.
+                assert self.params is not None
+                self.params = _scaled(self.params, speed)
+                cause["speed_factor"] = speed
+                cause["model_update"] = "rescaled"
+            else:
+                return self._replan_per_phase(step, recent, drift, measured["step"], cause)
+        assert self.params is not None  # fitted at the profile's end, before any check
         preds = self._predictions(self.params, recent)
         fitting = [p for p in preds if p["fits"]]
         best = min(fitting, key=lambda p: p["predicted_step_s"])
         d = self._choose("replan", step, preds, best, drift=drift, measured=measured["step"], cause=cause)
+        return self._rate_limited(step, d)
+
+    def _replan_per_phase(self, step: int, recent: list[StepObservation], drift: float,
+                          measured: float, cause: dict[str, Any]) -> list[Decision]:
+        """One part of the step changed (a phase took longer for its work, or the work changed in a
+        way the model did not predict): the other plans' steps from before the shift are stale, and
+        this plan's new steps alone cannot say which term of the changed phase moved. Generation
+        that got slower per decode step costs a 1-device rollout pool what it costs each of 2
+        devices; slower per token, twice as much. So every candidate is predicted under each
+        attribution (`_attributions`), and:
+
+        - a plan faster by `replan_min_gain` under every attribution: switch to it;
+        - a plan faster by that much under some attribution only: re-profile it (switch, measure
+          `profile_steps` steps, keep the faster of the two as measured, refit on both plans'
+          new steps) — the model cannot decide, a measurement can;
+        - otherwise keep the plan."""
+        cause["model_update"] = "per_phase"
+        attributions = self._attributions(recent)
+        variants = [self._predictions(params, recent) for params in attributions]
+        preds = _spread_predictions(variants)
+        self.params = _mean_params(attributions)
+        cur = self.layout
+        gains: dict[Layout, list[float]] = {}
+        for vp in variants:
+            by = {p["layout"]: p for p in vp}
+            cur_s = by[cur]["predicted_step_s"]
+            for lay, p in by.items():
+                if lay != cur and p["fits"] and cur_s:
+                    gains.setdefault(lay, []).append((cur_s - p["predicted_step_s"]) / cur_s)
+        gains = {lay: g for lay, g in gains.items() if len(g) == len(variants)}
+        sure = {lay: min(g) for lay, g in gains.items() if min(g) >= self.min_gain}
+        maybe = {lay: max(g) for lay, g in gains.items() if max(g) >= self.min_gain}
+        by_point = {p["layout"]: p for p in preds}
+        if sure:
+            best = by_point[max(sure, key=lambda lay: sure[lay])]
+            cause["gain_least"] = sure[best["layout"]]  # under the attribution least in its favour
+        elif maybe:
+            target = max(maybe, key=lambda lay: maybe[lay])
+            lo, hi = by_point[target]["predicted_range_s"]
+            c_lo, c_hi = by_point[cur]["predicted_range_s"]
+            remaining = self.max_steps - step
+            reason = (f"measured phase times drifted {drift:.0%} from the prediction"
+                      f"{_cause_text(cause, self.drift_threshold)}; {layout_label(target)} predicted "
+                      f"{lo:.3f}–{hi:.3f} s/step vs {c_lo:.3f}–{c_hi:.3f} for {layout_label(cur)} "
+                      f"(up to {maybe[target]:.1%} faster; this plan's steps alone cannot say which): ")
+            # what the remaining steps would save under the attribution most in the plan's favour
+            saving = max(by[cur]["predicted_step_s"] - by[target]["predicted_step_s"]
+                         for by in ({p["layout"]: p for p in vp} for vp in variants))
+            extra = {"switch_cost_s": self.switch_cost_s, "saved_s": saving * remaining, **cause}
+            if remaining < self.replan_every:
+                d = self._decide("kept", step, cur, preds, reason + f"only {remaining} steps remain "
+                                 "(fewer than placement.replan_every) to re-profile it",
+                                 drift=drift, measured=measured, gain=maybe[target], switch_cost=extra)
+                return self._rate_limited(step, d)
+            d = self._decide("replan", step, target, preds,
+                             reason + f"re-profile it for {self.profile_steps} steps and keep the faster",
+                             drift=drift, measured=measured, gain=maybe[target],
+                             switch_cost={**extra, "reprofile": True})
+            self._reprofiling = True
+            return [d]
+        else:  # no plan gains enough under any attribution
+            best = min((p for p in preds if p["fits"]), key=lambda p: p["predicted_step_s"])
+        d = self._choose("replan", step, preds, best, drift=drift, measured=measured, cause=cause)
+        return self._rate_limited(step, d)
+
+    def _rate_limited(self, step: int, d: Decision) -> list[Decision]:
         if not d.switch and step - self.last_kept_step < 3 * self.replan_every:
             return []  # "kept" is rate-limited; the check itself re-anchored the prediction
         if not d.switch:
@@ -386,22 +495,43 @@ class AutoPlanner:
         if len(here) < self.profile_steps:
             return []
         self._followup = None
-        measured = _mean([o.get("time/step") for o in here[-self.profile_steps:]])
-        out = [Decision("measured", step, d.chosen, d.chosen, f"after the {d.kind} at step {d.step}",
-                        predicted_step_s=d.predicted_step_s, measured_step_s=measured,
-                        extra={"decision_step": d.step, "error": (d.predicted_step_s - measured)
-                               / measured if measured and d.predicted_step_s else None})]
+        here = here[-self.profile_steps:]
+        measured = _mean([o.get("time/step") for o in here])
         left = self._left
         self._left = None
+        reprofile, self._reprofiling = self._reprofiling, False
+        # both plans now have steps measured since the last shift: refit on those alone
+        preds: list[dict[str, Any]] = []
+        fresh = [o for o in self.obs if self._step_of(o) >= self.fresh_since]
+        if self.phase == "steady" and len({o.layout for o in fresh}) >= 2:
+            self.params = self._fit(fresh, prior=self.params)
+            preds = self._predictions(self.params, here)
+        reason = f"after the {d.kind} at step {d.step}"
+        if reprofile and left is not None:
+            reason += (f" (a re-profile: {'slower' if measured > left[1] else 'faster'} than the "
+                       f"{left[1]:.3f} s/step {layout_label(left[0])} measured before it)")
+        out = [Decision("measured", step, d.chosen, d.chosen, reason,
+                        predictions=[_prediction_event(p) for p in preds],
+                        predicted_step_s=d.predicted_step_s, measured_step_s=measured,
+                        extra={"decision_step": d.step, "error": (d.predicted_step_s - measured)
+                               / measured if measured and d.predicted_step_s else None,
+                               **({"reprofile": True} if reprofile else {})})]
+        if preds:
+            self.anchor = next(p["phases"] for p in preds if p["layout"] == self.layout)
+            self.anchor_work, self.anchor_step = self._pred_work, step
+        # a re-profile keeps the faster as measured; a switch the model was sure of is reverted only
+        # when it measured slower by the gain threshold (no ping-pong on noisy steps)
+        margin = 0.0 if reprofile else self.min_gain
         if (left is not None and self.phase == "steady" and d.kind != "profile"
-                and measured > left[1] * (1 + self.min_gain)):
+                and measured > left[1] * (1 + margin)):
             # the model was wrong about this switch: go back to the plan that measured faster
             back = left[0]
-            out.append(self._decide("replan", step, back, [],
+            out.append(self._decide("replan", step, back, preds,
                                     f"{layout_label(self.layout)} measured {measured:.3f} s/step, "
                                     f"slower than {left[1]:.3f} s/step of {layout_label(back)} "
                                     "before the switch: switching back",
-                                    predicted=left[1], measured=measured))
+                                    predicted=left[1], measured=measured,
+                                    switch_cost={"reprofile": True} if reprofile else None))
             self._left = None  # a revert is not itself reverted: no ping-pong on noisy steps
             # the model was wrong here: later checks compare against what the plan measured
             back_obs = self._recent(back, self.profile_steps)
@@ -412,7 +542,7 @@ class AutoPlanner:
     # ------------------------------------------------------------------ choosing
     def _choose(self, kind: str, step: int, preds: list[dict[str, Any]], best: dict[str, Any], *,
                 drift: float | None = None, measured: float | None = None,
-                cause: dict[str, float] | None = None) -> Decision:
+                cause: dict[str, Any] | None = None) -> Decision:
         current = next(p for p in preds if p["layout"] == self.layout)
         cur_s, best_s = current["predicted_step_s"], best["predicted_step_s"]
         gain = (cur_s - best_s) / cur_s if cur_s > 0 else 0.0
@@ -447,7 +577,7 @@ class AutoPlanner:
     def _decide(self, kind: str, step: int, chosen: Layout, preds: list[dict[str, Any]], reason: str,
                 *, predicted: float | None = None, drift: float | None = None,
                 measured: float | None = None, gain: float | None = None,
-                switch_cost: dict[str, float] | None = None) -> Decision:
+                switch_cost: dict[str, Any] | None = None) -> Decision:
         if predicted is None:
             predicted = next((p["predicted_step_s"] for p in preds if p["layout"] == chosen), None)
         d = Decision(kind, step, self.layout, chosen, reason,
@@ -460,7 +590,8 @@ class AutoPlanner:
             self.anchor_work = self._pred_work
         self.anchor_step = step
         if d.switch:
-            here = [o.get("time/step") for o in self._recent(self.layout, self.profile_steps)]
+            here = [o.get("time/step") for o in self._recent(self.layout, self.profile_steps)
+                    if self._step_of(o) >= self.fresh_since]
             self._left = (self.layout, _mean(here)) if here else None
             self.pending = chosen
             self._followup = d
@@ -513,6 +644,50 @@ class AutoPlanner:
         if max(factors) > min(factors) * (1 + self.drift_threshold):
             return None
         return sum(meas[k] for k in big) / sum(pred[k] for k in big)
+
+    def _since_shift(self, recent: list[StepObservation]) -> list[StepObservation]:
+        """The steps of `recent` after the shift: the newest ones whose step time is nearer the two
+        newest steps' than the last prediction's (at least 3)."""
+        assert self.anchor is not None
+        times = [o.get("time/step") for o in recent]
+        new, old = _mean(times[-2:]), self.anchor.step
+        k = len(times)
+        while k > 0 and abs(times[k - 1] - new) <= abs(times[k - 1] - old):
+            k -= 1
+        return recent[min(k, max(0, len(recent) - 3)):]
+
+    def _attributions(self, recent: list[StepObservation]) -> list[CostParams]:
+        """Parameter sets that each reproduce this plan's measured phases on the work of `recent`,
+        one per way to put a phase's change on its terms: generation per decode step of the longest
+        response (the same on every layout) or per generated token (a pool of half the devices
+        generates twice the tokens each); training per step or per trained token. Scoring, the
+        reference and weight movement are re-estimated from these steps, the rest (`overhead_s`)
+        makes up the step time."""
+        assert self.params is not None
+        w, lay = self._workload(recent), self.layout
+        pred = phase_times(self.params, w, lay)
+        meas = {k: _mean([measured_phase(o, k) for o in recent])
+                for k in ("rollout", "reference", "train", "weight_sync", "step")}
+        longest = w.response.expected_max(w.samples)
+        gen_tokens, train_tokens = w.gen_tokens / lay.rollout_pool, w.train_tokens / lay.train_pool
+        d_gen, d_train = meas["rollout"] - pred.rollout, meas["train"] - pred.train
+        common = replace(self.params)
+        if w.samples:  # `time/reward` is a rank's share in every mode, as the fit reads it
+            common.reward_sample_s = _mean([o.get("time/reward") for o in recent]) * lay.train_pool / w.samples
+        if train_tokens:
+            common.ref_token_s = meas["reference"] / train_tokens
+        common.sync_fixed_s = max(0.0, common.sync_fixed_s + meas["weight_sync"] - pred.weight_sync)
+        gen_ways = [{"gen_step_s": max(0.0, common.gen_step_s + d_gen / max(longest, 1e-9))},
+                    {"gen_token_s": max(0.0, common.gen_token_s + d_gen / max(gen_tokens, 1e-9))}]
+        train_ways = [{"train_fixed_s": max(0.0, common.train_fixed_s + d_train)},
+                      {"train_token_s": max(0.0, common.train_token_s + d_train / max(train_tokens, 1e-9))}]
+        out = []
+        for g in gen_ways:
+            for t in train_ways:
+                p = replace(common, **g, **t)
+                p.overhead_s += meas["step"] - phase_times(p, w, lay).step
+                out.append(p)
+        return out
 
     @staticmethod
     def _step_of(o: StepObservation) -> int:
