@@ -202,7 +202,7 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) 
     assert math.isfinite(learner.rl_step(_batch(work, 300, work.steps + 1))["loss/total"])
 
     gen_cfg = cfg.model_copy(deep=True)
-    gen_cfg.model.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    gen_cfg.rollout.dtype = "bfloat16" if device.type == "cuda" else "float32"
     gen_cfg.rollout.max_new_tokens = work.gen_tokens
     engine = HFEngine(model_dir, gen_cfg, device=str(device), chunk_size=work.gen_prompts * work.gen_n)
     t = time.time()

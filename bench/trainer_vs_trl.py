@@ -158,6 +158,7 @@ def case_limit(tokens: int) -> dict:
     from trainer.config import parse_config
     from trainer.data import load_task
     from trainer.learner import Learner
+    from trainer.rollout import sampler_dtype
     from trainer.rollout.vllm_engine import VLLMEngine
 
     cores = os.cpu_count() or 2
@@ -207,7 +208,7 @@ def case_limit(tokens: int) -> dict:
     one_device = min(sum(passes(precisions[used])) for _ in range(2))
     return {"generation": min(gen_times), "reference": min(r for r, _ in times[used]),
             "train": min(t for _, t in times[used]), "gen_tokens": gen_tokens, "precision": used,
-            "rollout_dtype": cfg.model.dtype,
+            "rollout_dtype": sampler_dtype(cfg, "cpu"),
             "reference_fp32": min(r for r, _ in times["fp32"]),
             "train_fp32": min(t for _, t in times["fp32"]),
             "train_device_cores": cfg.placement.cpus_per_device, "train_device_passes": one_device}

@@ -146,6 +146,14 @@ class TrainConfig(_Group):
 
 class RolloutConfig(_Group):
     engine: Literal["vllm", "hf"] = "vllm"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="The sampler's compute dtype; the trainer keeps `model.dtype` master weights "
+        "and the sampler's log-probs are the behaviour policy (truncated importance sampling, "
+        "`algorithm.tis_cap`, corrects the mismatch). auto: bfloat16 where vLLM's device computes "
+        "bf16 natively (AMX/AVX512-BF16 CPUs, Ampere+ GPUs) and for the HF engine on a GPU; "
+        "`model.dtype` otherwise (HF generate in bf16 on a CPU measured slower than fp32).",
+    )
     n: int = Field(8, ge=1, description="Responses sampled per prompt.")
     max_new_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0)

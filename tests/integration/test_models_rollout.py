@@ -25,7 +25,9 @@ def _cfg(model_dir, **rollout):
     return parse_config({
         "model": {"path": str(model_dir), "preset": "nano"},
         "data": {"arithmetic": {"train_size": 2000, "eval_size": 50}},
-        "rollout": {"engine": "vllm", "max_new_tokens": 6, "kv_cache_gb": 0.25, **rollout},
+        # fp32: these tests hold vLLM to HF's fp32 numbers; the bf16 sampler has its own test
+        "rollout": {"engine": "vllm", "max_new_tokens": 6, "kv_cache_gb": 0.25, "dtype": "float32",
+                    **rollout},
         "placement": {"device_type": "cpu"},
     })
 
@@ -219,3 +221,36 @@ def test_hf_engine_same_interface_and_greedy_as_vllm(built):
     with pytest.raises(KeyError):
         engine.update_weights([("nope.weight", torch.zeros(1))])
     engine.close()
+
+
+def test_bf16_sampler_loads_the_trainers_fp32_weights_and_stays_close_to_them(built):
+    """`rollout.dtype: auto` on a CPU with native bf16 (this machine: AMX) samples in bf16 from the
+    trainer's fp32 weights: its log-probs are near the fp32 model's (the mismatch TIS corrects),
+    and a weight update in fp32 reaches it (the trained model answers in digits). Last in this
+    file: with a second vLLM engine alive in the process, the first one's later weight reload
+    no longer matched HF greedy (seen when this test ran before that one)."""
+    from trainer.learner import native_bf16
+    from trainer.rollout import sampler_dtype
+
+    cfg, model_dir, tok, base, trained = built
+    bf16 = _cfg(model_dir, dtype="auto")
+    if not native_bf16(torch.device("cpu")):
+        pytest.skip("this CPU has no native bf16: auto keeps fp32")
+    assert sampler_dtype(bf16) == "bfloat16"
+    engine = make_engine(bf16, model_dir, threads=1, seed=0)
+    try:
+        engine.update_weights(trained.state_dict().items())
+        samples = engine.generate(PROMPTS, n=3)
+        batch = pack([s.prompt_ids for s in samples], [s.response_ids for s in samples], tok.pad_token_id)
+        with torch.no_grad():
+            fp32_lp, _ = response_logprobs(trained, batch)
+        diffs = [abs(a - b) for i, s in enumerate(samples)
+                 for a, b in zip(fp32_lp[i, : len(s.logprobs)].tolist(), s.logprobs, strict=True)]
+        assert 0 < sum(diffs) / len(diffs) < 0.05, sum(diffs) / len(diffs)  # bf16, not fp32, not off
+        greedy = parse_config({**bf16.model_dump(), "rollout": {**bf16.rollout.model_dump(),
+                                                                 "temperature": 0.0}})
+        engine.rollout = greedy.rollout
+        texts = [s.response_text for s in engine.generate(PROMPTS, n=1)]
+        assert all(t and t.isdigit() for t in texts), texts
+    finally:
+        engine.close()

@@ -207,7 +207,9 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
         runtime = {"runtime": GPU_CONTEXT_BYTES}
         engine_runtime = 0.0
     else:
-        sampler["sampler_weights"] = weights
+        from trainer.rollout import sampler_dtype
+
+        sampler["sampler_weights"] = P * DTYPE_BYTES[sampler_dtype(cfg, "cpu")]
         sampler["kv_cache"] = cfg.rollout.kv_cache_gb * GiB
         runtime = {"runtime": CPU_PROCESS_BYTES}
         engine_runtime = CPU_VLLM_ENGINE_BYTES if cfg.rollout.engine == "vllm" else 0.0

@@ -27,6 +27,8 @@ class HFEngine:
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from trainer.rollout import sampler_dtype
+
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(model_dir), trust_remote_code=cfg.model.trust_remote_code
         )
@@ -35,7 +37,7 @@ class HFEngine:
         self.tokenizer.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(
             str(model_dir),
-            dtype=_DTYPES[cfg.model.dtype],
+            dtype=_DTYPES[sampler_dtype(cfg, device)],
             trust_remote_code=cfg.model.trust_remote_code,
         ).to(device)
         self.model.eval()

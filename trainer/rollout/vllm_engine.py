@@ -80,10 +80,12 @@ class VLLMEngine:
             torch.set_num_threads(threads)
         from vllm import LLM
 
+        from trainer.rollout import sampler_dtype
+
         r = cfg.rollout
         kwargs: dict[str, object] = {
             "model": str(model_dir),
-            "dtype": cfg.model.dtype,
+            "dtype": sampler_dtype(cfg, device),
             "seed": cfg.seed if seed is None else seed,
             "trust_remote_code": cfg.model.trust_remote_code,
             "logprobs_mode": "processed_logprobs",  # log-probs of the distribution sampled from
