@@ -11,19 +11,22 @@ mode the measured mean step time against (a) the analytic model on each step's o
 each kind of device against its measured peak RSS. It writes the `placement` section of
 docs/benchmarks.md. Timings on this shared 2-core machine are noisy: the load average is printed.
 
-Two nodes (docs/placement.md, "Predicted against measured on two nodes"):
+Two nodes (docs/placement.md, "Predicted against measured on two nodes", runs them in five
+pairs, alternating which goes first, since the load drifts):
 
     PYTHONPATH=$PWD .venv/bin/python bench/weight_sync.py --two-nodes --receivers 1 --presets micro,small
-    PYTHONPATH=$PWD .venv/bin/python bench/placement_runs.py --out .yatt/placement-runs \
-        --two-nodes --modes disaggregated
-    PYTHONPATH=$PWD .venv/bin/python bench/placement_calibration.py --runs .yatt/placement-runs \
-        --two-nodes --link .yatt/link-calibration.json
+    PYTHONPATH=$PWD .venv/bin/python bench/placement_runs.py --out .yatt/pairs/pair1 --modes disaggregated
+    PYTHONPATH=$PWD .venv/bin/python bench/placement_runs.py --out .yatt/pairs/pair1 --modes disaggregated \
+        --two-nodes
+    PYTHONPATH=$PWD .venv/bin/python bench/placement_calibration.py --two-nodes --modes disaggregated \
+        --runs .yatt/pairs/pair1[,.yatt/pairs/pair2,...] --link .yatt/link-calibration.json
 
-With `--two-nodes` the parameters are fitted on the one-node runs only (`--modes`), and the
-two-node run (`<runs>/disaggregated-two-nodes`, whose steps the fit never saw) is predicted with
-them twice: with the link term the one-node fit found (a broadcast between two processes of one
-node) and with the link term calibrated from the two-node broadcast (`--link`, written by
-bench/weight_sync.py --two-nodes). It writes the `placement_two_nodes` section instead.
+With `--two-nodes`, per run directory the parameters are fitted on its one-node runs only
+(`--modes`), and its two-node run (`<runs>/disaggregated-two-nodes`, whose steps the fit never
+saw) is predicted with them: with the link term the one-node fit found (a broadcast between two
+processes of one node), with the link term calibrated from the two-node broadcast (`--link`,
+written by bench/weight_sync.py --two-nodes), and, for reference, with one fit over both runs.
+It writes the `placement_two_nodes` section instead.
 """
 
 from __future__ import annotations
