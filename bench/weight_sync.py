@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/weight_sync.py            # --receivers 1,2 --rounds 6
     PYTHONPATH=. .venv/bin/python bench/weight_sync.py --two-nodes   # receivers on a second node
+    PYTHONPATH=. .venv/bin/python bench/weight_sync.py --two-nodes --receivers 1 --presets micro,small
 
 One local Ray cluster; the `small` tiny model (17.4M parameters, bench-small, as
 bench/trainer_vs_trl.py builds it); a source actor holding the policy in a real `Learner` (a
@@ -22,8 +23,13 @@ Writes its section of docs/benchmarks.md (`--no-docs` to skip).
 `--two-nodes` starts a second Ray node on this machine (`ray start --address ... --block`, its
 own temp dir and resources; the script kills only that process when done) standing in for a
 second host, pins the source to the head and the receivers to the second node, so the weights
-cross nodes; it prints the broadcast's bandwidth, which is the placement cost model's link term
-(`sync_link_Bps`, trainer/placement/cost_model.py) for such a pair of hosts.
+cross nodes; it prints the broadcast's bandwidth, and fits the placement cost model's link term
+(`sync_fixed_s`, `sync_link_Bps`; trainer/placement/link.py) to every counted broadcast of the
+first receiver count: the seconds from the first byte to the end of the round (what a training
+run reports as `time/weight_sync`) against the bytes moved. Policies of two sizes
+(`--presets micro,small`: the demo's 4 MB and 70 MB) separate the fixed cost of a round from the
+bandwidth. The calibration goes to `--link-out` (default `.yatt/link-calibration.json`), which
+`bench/placement_calibration.py --link` and `yatt placement simulate --link` read.
 """
 
 from __future__ import annotations
@@ -31,8 +37,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,13 +45,17 @@ from typing import Any
 import docs_section  # noqa: E402 (bench/docs_section.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / ".yatt" / "models" / "bench-small"
 SECTION = "weight_sync"
 
 
-def config(bucket_mb: float) -> dict[str, Any]:
+def model_dir(preset: str) -> Path:
+    """bench-small as bench/trainer_vs_trl.py builds it; bench-micro the demo's shape."""
+    return ROOT / ".yatt" / "models" / f"bench-{preset}"
+
+
+def config(bucket_mb: float, preset: str = "small") -> dict[str, Any]:
     return {
-        "model": {"path": str(MODEL), "preset": "small"},
+        "model": {"path": str(model_dir(preset)), "preset": preset},
         "algorithm": {"name": "grpo", "kl_coef": 0.0},
         "rollout": {"engine": "vllm", "max_new_tokens": 8, "kv_cache_gb": 0.25,
                     "weight_sync_bucket_mb": bucket_mb},
@@ -83,7 +91,7 @@ def remote_classes() -> tuple[Any, Any]:
 
             torch.set_num_threads(1)
             cfg = parse_config(json.loads(cfg_json))
-            self.learner = Learner(cfg, str(MODEL), device="cpu")
+            self.learner = Learner(cfg, cfg.model.path, device="cpu")
             self.sync = TrainerWeightSync(
                 device=0, bucket_bytes=int(cfg.rollout.weight_sync_bucket_mb * 2**20))
             self.workers: list[Any] = []
@@ -106,11 +114,13 @@ def remote_classes() -> tuple[Any, Any]:
 
         def by_broadcast(self, version: int) -> dict[str, float]:
             t0 = time.perf_counter()
-            metrics, _ = self.sync.push(version, lambda: self.learner.named_weights().items())
+            metrics, spans = self.sync.push(version, lambda: self.learner.named_weights().items())
             self.sync.receiver_spans()
             total = time.perf_counter() - t0
-            return {"total_s": total, "source_s": total, "buckets": metrics["weight_sync/buckets"],
-                    "bytes": metrics["weight_sync/bytes"]}
+            # first byte to the end of the round: a training step's `time/weight_sync`
+            sync_s = sum(s["end"] - s["start"] for s in spans if s["phase"] == "weight_sync")
+            return {"total_s": total, "source_s": total, "sync_s": sync_s,
+                    "buckets": metrics["weight_sync/buckets"], "bytes": metrics["weight_sync/bytes"]}
 
     return ray.remote(CopyLoadingWorker), ray.remote(Source)
 
@@ -122,31 +132,13 @@ def object_store_created(ray: Any) -> int:
     return int(reply.store_stats.cumulative_created_bytes)
 
 
-def start_second_node(gcs_address: str, temp_dir: str) -> subprocess.Popen:
-    """A second raylet joined to the running head (a stand-in for a second host)."""
-    import ray
-
-    ray_cli = str(Path(sys.executable).parent / "ray")
-    proc = subprocess.Popen([ray_cli, "start", f"--address={gcs_address}", "--num-cpus=2",
-                             '--resources={"yatt_device": 2, "bench_node_b": 8}',
-                             f"--temp-dir={temp_dir}", "--disable-usage-stats", "--block"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 180
-    while sum(n["Alive"] for n in ray.nodes()) < 2:
-        if proc.poll() is not None or time.time() > deadline:
-            proc.terminate()  # ray start --block stops the raylet it started
-            proc.wait(timeout=60)
-            raise RuntimeError("the second Ray node did not join")
-        time.sleep(1)
-    return proc
-
-
-def measure(receivers: int, rounds: int, bucket_mb: float, *, two_nodes: bool = False) -> dict[str, Any]:
+def measure(receivers: int, rounds: int, bucket_mb: float, *, two_nodes: bool = False,
+            preset: str = "small") -> dict[str, Any]:
     import ray
 
     from trainer.weight_sync import connect_broadcast
 
-    cfg_json = __import__("json").dumps(config(bucket_mb))
+    cfg_json = __import__("json").dumps(config(bucket_mb, preset))
     Worker, Source = remote_classes()
     env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
                         "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR",
@@ -155,7 +147,7 @@ def measure(receivers: int, rounds: int, bucket_mb: float, *, two_nodes: bool = 
     on_b = {"resources": {"bench_node_b": 1}} if two_nodes else {}
     on_a = {"resources": {"bench_node_a": 1}} if two_nodes else {}
     workers = [Worker.options(num_cpus=0, runtime_env=env, **on_b).remote(
-        cfg_json, d + 1, str(MODEL), "cpu", 1.0) for d in range(receivers)]
+        cfg_json, d + 1, str(model_dir(preset)), "cpu", 1.0) for d in range(receivers)]
     source = Source.options(num_cpus=0, runtime_env=env, **on_a).remote(cfg_json)
     try:
         connect_broadcast(source, workers, backend="gloo")
@@ -171,11 +163,35 @@ def measure(receivers: int, rounds: int, bucket_mb: float, *, two_nodes: bool = 
                 assert held == [version] * receivers, (way, held, version)
                 if r > 0:  # the first round warms both ways up
                     out[way].append(res)
-        return {"receivers": receivers, "two_nodes": two_nodes, **{way: {k: statistics.median(x[k] for x in runs)
-                                                 for k in runs[0]} for way, runs in out.items()}}
+        return {"receivers": receivers, "two_nodes": two_nodes, "preset": preset,
+                "broadcasts": [(r["bytes"], r["sync_s"]) for r in out["broadcast"]],
+                **{way: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+                   for way, runs in out.items()}}
     finally:
         for actor in [*workers, source]:
             ray.kill(actor)
+
+
+def link_calibration(results: list[dict[str, Any]], receivers: int, presets: list[str],
+                     load: float, out: Path) -> str:
+    """Fit the cost model's link term to the counted broadcasts to `receivers` workers, write it
+    to `out`, and say what it is."""
+    from trainer.placement.link import calibrate_link
+
+    points = [pt for r in results if r["receivers"] == receivers for pt in r["broadcasts"]]
+    cal = calibrate_link(points, source={
+        "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_1min": round(load, 2),
+        "receivers": receivers, "presets": presets,
+        "command": "PYTHONPATH=. .venv/bin/python bench/weight_sync.py --two-nodes "
+                   f"--receivers {receivers} --presets {','.join(presets)}"})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(cal.to_json())
+    sizes = sorted({round(b / 2**20, 1) for b, _ in points})
+    return (f"Link term fitted to {len(points)} broadcasts to {receivers} receiver(s) of "
+            f"{' and '.join(f'{x} MiB' for x in sizes)} (first byte to the end of the round): "
+            f"`sync_fixed_s` {cal.sync_fixed_s * 1e3:.1f} ms, `sync_link_Bps` "
+            f"{cal.sync_link_Bps / 1e9:.3f} GB/s, mean |error| {cal.error:.1%} of the mean; "
+            f"written to `{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}`.")
 
 
 def main() -> None:
@@ -186,6 +202,10 @@ def main() -> None:
                     help="rollout.weight_sync_bucket_mb (16: the 70 MB policy in 5 buckets)")
     ap.add_argument("--two-nodes", action="store_true",
                     help="receivers on a second Ray node started here (weights cross nodes)")
+    ap.add_argument("--presets", default="small",
+                    help="policy sizes, comma-separated (micro: the demo's model, small: 70 MB)")
+    ap.add_argument("--link-out", type=Path, default=ROOT / ".yatt" / "link-calibration.json",
+                    help="--two-nodes: where the link term's calibration goes")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args()
 
@@ -193,8 +213,11 @@ def main() -> None:
 
     from trainer.config import parse_config
     from trainer.models import ensure_model
+    from trainer.placement.local_nodes import start_ray_node, stop_ray_node
 
-    ensure_model(parse_config(config(args.bucket_mb)))
+    presets = [x.strip() for x in args.presets.split(",") if x.strip()]
+    for preset in presets:
+        ensure_model(parse_config(config(args.bucket_mb, preset)))
     counts = [int(x) for x in args.receivers.split(",")]
     ctx = ray.init(address="local", num_cpus=max(counts) + 1, include_dashboard=False,
                    resources={"bench_node_a": 8}, logging_level="ERROR",
@@ -204,40 +227,47 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="yatt-node-b-") as temp_dir:
         try:
             if args.two_nodes:
-                node_b = start_second_node(ctx.address_info["gcs_address"], temp_dir)
-            results = [measure(n, args.rounds, args.bucket_mb, two_nodes=args.two_nodes)
-                       for n in counts]
+                node_b, _node_id = start_ray_node(
+                    ctx.address_info["gcs_address"], temp_dir=temp_dir, cpus=2,
+                    resources={"yatt_device": 2, "bench_node_b": 8})
+            results = [measure(n, args.rounds, args.bucket_mb, two_nodes=args.two_nodes, preset=preset)
+                       for preset in presets for n in counts]
         finally:
             if node_b is not None:  # only the node this script started
-                node_b.terminate()
-                node_b.wait(timeout=60)
+                stop_ray_node(node_b)
             ray.shutdown()
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
-        f"{load[0]:.1f} at the start; `small` model, {args.rounds - 1} syncs per way (median), "
+        f"{load[0]:.1f} at the start; {', '.join(f'`{p}`' for p in presets)} model, "
+        f"{args.rounds - 1} syncs per way (median), "
         f"buckets of {args.bucket_mb:g} MB"
         + ("; receivers on a second Ray node (this machine), source on the head" if args.two_nodes else "")
         + ". Command: `PYTHONPATH=. .venv/bin/python bench/weight_sync.py"
-        + (" --two-nodes`." if args.two_nodes else "`."),
+        + (" --two-nodes" if args.two_nodes else "")
+        + (f" --receivers {args.receivers}" if args.receivers != "1,2" else "")
+        + (f" --presets {args.presets}" if args.presets != "small" else "") + "`.",
         "",
-        "| receivers | way | until every engine holds it (s) | source blocked (s) | object-store bytes per sync | buckets |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| model | receivers | way | until every engine holds it (s) | source blocked (s) | object-store bytes per sync | buckets |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
     for res in results:
         for way in ("object_store", "broadcast"):
             r = res[way]
-            lines.append(f"| {res['receivers']} | {way.replace('_', ' ')} | {r['total_s']:.3f} | "
-                         f"{r['source_s']:.3f} | {r['store_bytes'] / 2**20:.1f} MiB | "
+            lines.append(f"| {res['preset']} | {res['receivers']} | {way.replace('_', ' ')} | "
+                         f"{r['total_s']:.3f} | {r['source_s']:.3f} | {r['store_bytes'] / 2**20:.1f} MiB | "
                          f"{r.get('buckets', 0):.0f} |")
     lines.append("")
     for res in results:
         ratio = res["object_store"]["total_s"] / res["broadcast"]["total_s"]
-        lines.append(f"- {res['receivers']} receiver(s): broadcast is {ratio:.2f}x the speed of the "
-                     f"object-store copy, end to end ({res['broadcast']['bytes'] / 2**20:.1f} MiB moved once).")
+        lines.append(f"- {res['preset']}, {res['receivers']} receiver(s): broadcast is {ratio:.2f}x the "
+                     f"speed of the object-store copy, end to end ({res['broadcast']['bytes'] / 2**20:.1f} "
+                     f"MiB moved once).")
     for res in results:
         b = res["broadcast"]
-        lines.append(f"- {res['receivers']} receiver(s): broadcast bandwidth {b['bytes'] / b['total_s'] / 1e9:.3f} GB/s "
-                     f"(the cost model's `sync_link_Bps` for this link, load included).")
+        lines.append(f"- {res['preset']}, {res['receivers']} receiver(s): broadcast bandwidth "
+                     f"{b['bytes'] / b['total_s'] / 1e9:.3f} GB/s, end to end (load included).")
+    if args.two_nodes:
+        lines += ["", link_calibration(results, counts[0], presets, load[0], args.link_out)]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_docs:

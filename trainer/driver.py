@@ -141,7 +141,7 @@ class Driver:
             self._fail(f"{type(exc).__name__}: {exc}")
             raise
         plan = placement.plan
-        start_data = plan.to_event()
+        start_data = placement.to_event()  # with the node of each device on several nodes
         if self._planner is not None:
             start_data.update({"decision": "start", "switch": False, "plan": self._planner_label(),
                                "candidates": [{"plan": self._planner_label(lay), "fits": fits}
@@ -440,7 +440,7 @@ class Driver:
         self.on_message(msg)
         self.reporter.log_event("placement", msg, {
             "decision": "applied", "switch": True, "step": step, "resume_step": step,
-            "plan": self._planner_label(), "from": before, **placement.plan.to_event()})
+            "plan": self._planner_label(), "from": before, **placement.to_event()})
         return placement, cfg.model_dump_json()
 
     # ------------------------------------------------------------------ the end

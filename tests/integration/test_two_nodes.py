@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,28 +25,19 @@ nano_model = helpers.nano_model
 def second_node(ray_head):
     """A second raylet joined to the session's head, with two devices of its own; only this
     process is stopped afterwards (never `ray stop`: other clusters run on this machine)."""
+    from trainer.placement.local_nodes import start_ray_node, stop_ray_node
+
     ray = ray_head
-    alive = sum(n["Alive"] for n in ray.nodes())
     # a short temp dir of its own: Ray's socket paths must fit in 107 bytes
     temp_dir = tempfile.mkdtemp(prefix="yatt-node-b-")
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start",
-         f"--address={ray.get_runtime_context().gcs_address}", "--num-cpus=2",
-         '--resources={"yatt_device": 2}', f"--temp-dir={temp_dir}",
-         "--disable-usage-stats", "--block"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while sum(n["Alive"] for n in ray.nodes()) <= alive:
-        if proc.poll() is not None or time.time() > deadline:
-            proc.terminate()  # ray start --block stops the raylet it started
-            proc.wait(timeout=60)
-            pytest.fail("the second Ray node did not join")
-        time.sleep(1)
-    node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"]
-                   and n["NodeManagerAddress"] and n["NodeID"] != ray.get_runtime_context().get_node_id())
+    try:
+        proc, node_id = start_ray_node(ray.get_runtime_context().gcs_address, temp_dir=temp_dir,
+                                       cpus=2, resources={"yatt_device": 2})
+    except RuntimeError as exc:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        pytest.fail(str(exc))
     yield node_id
-    proc.terminate()
-    proc.wait(timeout=60)
+    stop_ray_node(proc)
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -56,3 +56,21 @@ def test_simulate_cli_prints_the_table_and_writes_plots(tmp_path):
     assert by[("colocate", 1024)]["step_s"] < by[("colocate", 8)]["step_s"]
     bad = CliRunner().invoke(app, ["placement", "simulate", "--modes", "auto", "--out", str(out)])
     assert bad.exit_code == 2 and "--modes" in bad.output
+
+
+def test_simulate_cli_takes_a_measured_link_term(tmp_path):
+    """`--link` replaces the H100 profile's network with a calibrated link: a 7B policy (15.2 GB)
+    over a 1 GB/s link costs a disaggregated step 15.2 s instead of 0.4 s over 40 GB/s (once:
+    both sides of the step wait for the same push)."""
+    from trainer.placement.link import calibrate_link
+
+    link = tmp_path / "link.json"
+    link.write_text(calibrate_link([(1e8, 0.15), (1e9, 1.05)]).to_json())  # 50 ms + 1 GB/s
+    args = ["placement", "simulate", "--model-size", "7b", "--devices", "8", "--modes", "disaggregated",
+            "--steps", "4"]
+    base = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a")])
+    slow = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b"), "--link", str(link)])
+    assert base.exit_code == 0 and slow.exit_code == 0, base.output + slow.output
+    step = {d: json.loads((tmp_path / d / "simulate.json").read_text())["rows"][0]["step_s"] for d in "ab"}
+    assert step["b"] - step["a"] == pytest.approx(15.2 - 15.2 / 40, rel=0.05)
+    assert "link term from" in slow.output

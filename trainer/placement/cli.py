@@ -35,10 +35,12 @@ def _best_split(mode: str, devices: int, params_for, w, candidates: list[int]): 
 def run_simulation(*, model_size: str, devices: list[int], modes: list[str], prompts: int, n: int,
                    prompt_tokens: float, mean_response: float, tail_sigma: float,
                    max_response: float, reward_model_size: str | None, steps: int,
-                   seed: int) -> list[dict]:
-    """Simulate every (mode, device count); the best split per mode by the analytic model."""
+                   seed: int, link: Path | None = None) -> list[dict]:
+    """Simulate every (mode, device count); the best split per mode by the analytic model.
+    `link`: a measured link term (trainer/placement/link.py) in place of the profile's."""
     from trainer.placement.cost_model import Layout
     from trainer.placement.hardware import H100, cost_params_for, default_workload, model_spec
+    from trainer.placement.link import load_link_calibration
     from trainer.placement.simulator import simulate
 
     model = model_spec(model_size)
@@ -46,8 +48,11 @@ def run_simulation(*, model_size: str, devices: list[int], modes: list[str], pro
     w = default_workload(model, prompts=prompts, n=n, prompt_tokens=prompt_tokens,
                          mean_response=mean_response, sigma=tail_sigma, max_response=max_response)
 
+    measured_link = load_link_calibration(link) if link is not None else None
+
     def params_for(layout: Layout):  # noqa: ANN202
-        return cost_params_for(model, H100, layout, w, reward_model=rm)
+        p, tp = cost_params_for(model, H100, layout, w, reward_model=rm)
+        return (measured_link.apply(p) if measured_link else p), tp
 
     rows = []
     for d in devices:
@@ -125,6 +130,9 @@ def register(app: typer.Typer) -> None:
             "--reward-model-size", help="Score with a reward model of this size (default: a rule).")] = None,
         steps: Annotated[int, typer.Option("--steps", min=3)] = 8,
         seed: Annotated[int, typer.Option("--seed")] = 0,
+        link: Annotated[Path | None, typer.Option(
+            "--link", help="A measured link term (bench/weight_sync.py --two-nodes writes one) "
+            "instead of the H100 profile's network.", exists=True, dir_okay=False)] = None,
         out: Annotated[Path, typer.Option("--out", help="Where the plots and simulate.json go.")] = Path(
             "placement-sim"),
     ) -> None:
@@ -146,13 +154,14 @@ def register(app: typer.Typer) -> None:
                                   prompts=prompts, n=n, prompt_tokens=prompt_tokens,
                                   mean_response=mean_response, tail_sigma=tail_sigma,
                                   max_response=max_response, reward_model_size=reward_model_size,
-                                  steps=steps, seed=seed)
+                                  steps=steps, seed=seed, link=link)
         except ValueError as exc:
             typer.echo(f"--model-size: {exc}", err=True)
             raise typer.Exit(2) from None
         title = (f"{model_size} on H100s, {prompts}×{n} samples, responses mean {mean_response:g} "
                  f"(σ {tail_sigma:g}, max {max_response:g})"
-                 + (f", {reward_model_size} reward model" if reward_model_size else ""))
+                 + (f", {reward_model_size} reward model" if reward_model_size else "")
+                 + (f", link term from {link}" if link else ""))
         typer.echo(title)
         typer.echo(format_table(rows))
         out.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,7 @@ __all__ = [
     "observations_from_metrics",
     "phase_times",
     "predict_step_time",
+    "predicted_steps",
 ]
 
 MODES = ("colocate", "disaggregated", "partial_colocate")
@@ -473,6 +474,12 @@ def _phases_of(p: CostParams, o: StepObservation) -> PhaseTimes:
         reward = _streamed_scoring(p, gen, own, p.reward_sample_s * o.samples, L.scoring_pool)
     step = gen + reward + ref + train + sync + p.offload_s + p.overhead_s
     return PhaseTimes(gen, reward, ref, train, sync, p.offload_s, p.overhead_s, step)
+
+
+def predicted_steps(p: CostParams, obs: list[StepObservation]) -> list[float]:
+    """The step time `p` predicts for each observed step, from the step's own lengths and token
+    counts (what `fit` compares with; here for parameters fitted on other steps)."""
+    return [_phases_of(p, o).step for o in obs]
 
 
 def _composed(p: CostParams, o: StepObservation) -> float:
