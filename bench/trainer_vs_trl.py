@@ -6,7 +6,8 @@ Same `small` tiny model (built with `yatt make-tiny-model --preset small`), same
 prompts, 4 prompts x 8 samples per step, lr 1e-4, KL 0.04, no warm start; two workloads: 32 new
 tokens ("short") and 256 ("generation-heavy"). Cases, each in its own process, one after the
 other in this one run: yatt colocate and disaggregated on 2 devices (`yatt train`, its default
-precision), TRL GRPOTrainer default (HF generate, fp32), on one thread, with its own CPU mixed
+precision), yatt colocate with its opt-in compilation (`train.compile`, `rollout.compile`; the
+compile time lands in its first step, shown beside the medians), TRL GRPOTrainer default (HF generate, fp32), on one thread, with its own CPU mixed
 precision (`bf16=True`), and TRL's vLLM colocate mode (recorded if it fails), and the limit: each
 phase alone at its best on all cores (vLLM generating the step's samples; the reference pass; one
 training pass), at the precision yatt runs (fp32 figures beside them), whose sum bounds a
@@ -14,7 +15,8 @@ colocated step and whose max a disaggregated one. Prints samples/s, generated to
 step and phase split per case, writes a reward-curve PNG per workload and its section of
 docs/benchmarks.md; the last line is `ratio: X` = yatt's best samples/s over the fastest TRL
 setting that ran, on the generation-heavy workload.
-Steps per case are few (shared CPUs): medians skip each case's first step.
+Steps per case are few (shared CPUs): medians and samples/s skip each case's first step
+(its warm-up, and a compiled case's compile), whose time is its own column.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ PROMPTS, N, LR, KL = 4, 8, 1e-4, 0.04
 SECTION = "trainer_vs_trl"
 
 
-def yatt_config(tokens: int, steps: int, mode: str) -> dict:
+def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False) -> dict:
+    """``compiled``: `train.compile` and `rollout.compile` (opt-in: faster steps for a slower start)."""
     return {
         "model": {"path": str(MODEL), "preset": "small"},
         "data": {"task": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+"]}},
         "algorithm": {"name": "grpo", "kl_coef": KL},
-        "train": {"max_steps": steps, "lr": LR, "batch_size": PROMPTS, "micro_batch_size": 64},
-        "rollout": {"engine": "vllm", "n": N, "max_new_tokens": tokens, "temperature": 1.0},
+        "train": {"max_steps": steps, "lr": LR, "batch_size": PROMPTS, "micro_batch_size": 64,
+                  "compile": compiled},
+        "rollout": {"engine": "vllm", "n": N, "max_new_tokens": tokens, "temperature": 1.0,
+                    "compile": compiled},
         "placement": {"mode": mode, "devices": 2, "device_type": "cpu"},
         "checkpoint": {"every_steps": 10_000, "export_final": False},
         "eval": {"size": 8},
@@ -56,9 +61,12 @@ def yatt_config(tokens: int, steps: int, mode: str) -> dict:
 def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     import yaml
 
+    compiled = mode.endswith("-compiled")
+    mode = mode.removesuffix("-compiled")
+
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
         cfg_path = Path(tmp) / "cfg.yaml"
-        cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode)))
+        cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled)))
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "backend.cli", "train", str(cfg_path), "--out", str(run_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
@@ -241,7 +249,8 @@ def summarize(res: dict) -> dict | None:
     med = statistics.median(s["time"] for s in timed)
     total_t = sum(s["time"] for s in timed)
     phases = {k: statistics.median(s["phases"].get(k, 0.0) for s in timed) for k in timed[0]["phases"]}
-    return {"median_step": med, "samples_s": sum(s["samples"] for s in timed) / total_t,
+    return {"median_step": med, "first_step": steps[0]["time"],
+            "samples_s": sum(s["samples"] for s in timed) / total_t,
             "gen_tok_s": sum(s["gen_tokens"] for s in timed) / total_t, "phases": phases,
             "rewards": [s["reward"] for s in steps]}
 
@@ -273,9 +282,10 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=None, help="steps per case (default 6 short, 3 long)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per case (default 6)")
     ap.add_argument("--workloads", default="32,256", help="new tokens per sample, comma-separated")
-    ap.add_argument("--cases", default="yatt-colocate,yatt-disaggregated,trl,trl-1t,trl-bf16,trl-vllm,limit")
+    ap.add_argument("--cases", default="yatt-colocate,yatt-colocate-compiled,yatt-disaggregated,trl,"
+                    "trl-1t,trl-bf16,trl-vllm,limit")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     ap.add_argument("--report-from", type=Path, help="re-render the report from a run's JSON folder")
@@ -315,7 +325,9 @@ def main() -> None:
     tmp = a.report_from or Path(tempfile.mkdtemp(prefix="vs-trl-"))
     print(f"case results in {tmp}", flush=True)
     for tokens in [int(t) for t in a.workloads.split(",")]:
-        steps = a.steps or (5 if tokens <= 64 else 3)
+        # 6: medians of 5 steps, so that a compiled case's one recompile (the first new length,
+        # usually step 2) or a step's oneDNN kernel creation for new batch shapes does not set them
+        steps = a.steps or 6
         name = "short" if tokens <= 64 else "generation-heavy"
         print(f"== {name}: {PROMPTS} prompts x {N} samples x {tokens} new tokens, {steps} steps", flush=True)
         results: dict[str, dict] = {}
@@ -331,19 +343,20 @@ def main() -> None:
             print(f"   {case}: {'error: ' + res['error'] if 'error' in res else 'done'} "
                   f"({res.get('wall_s', 0):.0f}s)", flush=True)
         rows = [f"### {name}: {PROMPTS} prompts × {N} samples × {tokens} new tokens, {steps} steps per case", "",
-                "| case | median step | samples/s | generated tok/s | phase split (median s) |",
-                "|---|---:|---:|---:|---|"]
+                "| case | median step | samples/s | generated tok/s | phase split (median s) | first step |",
+                "|---|---:|---:|---:|---|---:|"]
         sums: dict[str, dict] = {}
         for case, res in results.items():
             if case == "limit":
                 continue
             s = summarize(res) if "error" not in res else None
             if s is None:
-                rows.append(f"| {case} | — | — | — | did not run: {res.get('error', 'no steps')} |")
+                rows.append(f"| {case} | — | — | — | did not run: {res.get('error', 'no steps')} | — |")
                 continue
             sums[case] = s
             split = ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items() if v > 0.005)
-            rows.append(f"| {case} | {s['median_step']:.2f} s | {s['samples_s']:.2f} | {s['gen_tok_s']:.0f} | {split} |")
+            rows.append(f"| {case} | {s['median_step']:.2f} s | {s['samples_s']:.2f} | {s['gen_tok_s']:.0f} | "
+                        f"{split} | {s['first_step']:.1f} s |")
         lim = results.get("limit", {})
         if "generation" in lim:
             ssum = lim["generation"] + lim["reference"] + lim["train"]
@@ -365,7 +378,8 @@ def main() -> None:
                             f"so its step ({dis['median_step']:.2f} s) is "
                             f"{dis['median_step'] / lim['train_device_passes']:.2f}× what its training "
                             "device alone needs; the all-core max below cannot be reached with this split.")
-            for case, bound, what in (("yatt-colocate", ssum, "sum"), ("yatt-disaggregated", smax, "max")):
+            for case, bound, what in (("yatt-colocate", ssum, "sum"), ("yatt-colocate-compiled", ssum, "sum"),
+                                      ("yatt-disaggregated", smax, "max")):
                 if case in sums:
                     rows.append(f"- {case}: median step {sums[case]['median_step']:.2f} s = "
                                 f"{sums[case]['median_step'] / bound:.2f}× the limit ({what} {bound:.2f} s); "

@@ -126,6 +126,12 @@ class TrainConfig(_Group):
         "(torch.distributed.fsdp.fully_shard, block by block; gloo on CPU, NCCL on GPU).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward instead of keeping them.")
+    compile: bool = Field(
+        False, description="torch.compile each transformer block of the policy, reference and "
+        "critic (dynamic shapes), as torchtitan does: fused element-wise work in the training "
+        "and reference passes. Measured on this 2-core CPU (`small` model, 16 × 268 tokens, one "
+        "core): a GRPO step 2.34 → 1.67 s, after about 30 s of compiling at the first step and "
+        "15 s once more at the first new length. Worth it for long runs of long sequences.")
     offload_optimizer: bool = Field(
         False, description="fsdp2 only: keep sharded parameters, gradients and optimizer state in "
         "CPU memory and step the optimizer there (FSDP2 CPUOffloadPolicy; a no-op on a CPU device).")
@@ -146,6 +152,11 @@ class TrainConfig(_Group):
 
 class RolloutConfig(_Group):
     engine: Literal["vllm", "hf"] = "vllm"
+    compile: bool = Field(
+        False, description="vLLM on a CPU: compile the model (torch.compile) instead of running "
+        "it eagerly. Measured here (`small` model, bf16, 16 × 256 tokens, one core): 2.38 → 1.67 s "
+        "per generation, for an engine start of 20–36 s instead of 3 s. GPUs always compile "
+        "(CUDA graphs).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="The sampler's compute dtype; the trainer keeps `model.dtype` master weights "

@@ -388,6 +388,12 @@ class Learner:
         self._forwards: dict[int, ResponseLogprobs] = {id(self.policy): ResponseLogprobs(self.policy)}
         if self.reference is not None:
             self._forwards[id(self.reference)] = ResponseLogprobs(self.reference)
+        if cfg.train.compile:
+            # each block on its own (torchtitan's order: compile, then shard); after the deep
+            # copies, so that the reference and critic get compiled functions of their own
+            for model in (self.policy, self.reference, self.critic and self.critic.backbone):
+                for block in _transformer_blocks(model) if model is not None else []:
+                    block.compile(dynamic=True)
         if self.sharded:
             self._shard()
         if self.critic is not None:

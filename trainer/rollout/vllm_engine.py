@@ -94,7 +94,7 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=True)
         else:
             # Eager: compiling the graph costs minutes on a 2-core machine and buys little here.
-            kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(r.kv_cache_gb * 2**30))
+            kwargs.update(enforce_eager=not r.compile, kv_cache_memory_bytes=int(r.kv_cache_gb * 2**30))
         set_num_threads = torch.set_num_threads
         try:
             self.llm = LLM(**kwargs)  # type: ignore[arg-type]
