@@ -51,6 +51,7 @@ from trainer.placement.cost_model import (
     measured_phase,
     phase_times,
 )
+from trainer.placement.link import LinkCalibration, config_link_calibration
 
 __all__ = ["CANDIDATE_FAMILIES", "AutoPlanner", "Decision", "candidate_layouts", "layout_config",
            "layout_label", "starting_layout"]
@@ -289,8 +290,12 @@ class AutoPlanner:
     clock unless asked (`now`), so the decision logic is unit-tested on synthetic steps."""
 
     def __init__(self, cfg: TrainerConfig, *, param_bytes: float,
-                 candidates: list[tuple[Layout, bool]] | None = None, start: Layout | None = None):
+                 candidates: list[tuple[Layout, bool]] | None = None, start: Layout | None = None,
+                 link: LinkCalibration | None = None):
         p = cfg.placement
+        # the measured link (placement.link_calibration): every fit keeps its bandwidth, which the
+        # run's one policy size cannot separate from the fixed cost of a weight-sync round
+        self.link = link if link is not None else config_link_calibration(cfg)
         self.candidates = candidate_layouts(cfg) if candidates is None else candidates
         self.layout = start or starting_layout(cfg, self.candidates)
         self.param_bytes = param_bytes
@@ -598,7 +603,7 @@ class AutoPlanner:
         return d
 
     def _fit(self, obs: list[StepObservation], prior: CostParams | None = None) -> CostParams:
-        params = fit(obs, prior=prior).params
+        params = fit(obs, prior=prior, link=self.link).params
         if prior is not None and all(o.layout.train_pool == 1 for o in obs):
             params.allreduce_Bps = prior.allreduce_Bps  # no all-reduce was measured: keep the old term
         return params
