@@ -24,10 +24,11 @@ plan, resume). Phases of a run:
    the other plans' steps from before the shift are stale, and each candidate is predicted under
    every attribution of the change to a phase's terms (`_replan_per_phase`): a plan faster under
    all of them is switched to, one faster under some only is re-profiled (measured for
-   `profile_steps` steps, kept only when faster beyond the noise of the two plans' steps). Then the candidates are compared again on the current
-   work: a switch, or "kept" when the gain is too small. After a switch the measured step time of
-   the new plan is reported and the model refitted on the steps both plans ran since the shift; a
-   switch that measured slower than the plan it left is reverted.
+   `profile_steps` steps, kept only when faster beyond the noise of the two plans' steps). Then
+   the candidates are compared again on the current work: a switch, or "kept" when the gain is
+   too small. After a switch the measured step time of the new plan is reported and the model
+   refitted on the steps both plans ran since the shift; a switch that measured slower than the
+   plan it left is reverted.
 
 Candidates come from `CANDIDATE_FAMILIES`, one entry per mode: colocate, disaggregated with every
 split, and partial_colocate with every number of scoring devices when the reward is a model.
@@ -567,19 +568,17 @@ class AutoPlanner:
         # a re-profile goes back unless the plan it measured was faster beyond the noise; a switch
         # the model was sure of is reverted only when it measured slower by the gain threshold (no
         # ping-pong on noisy steps)
-        if noise:
-            back_now = not noise["reprofile_kept"]
-            why = (f"not faster than {left_s:.3f} s/step of {{back}} by more than the noise "
-                   f"margin ({noise['noise_margin_s']:.3f} s): switching back to the plan the run was on")
-        else:
-            back_now = measured > left_s * (1 + self.min_gain)
-            why = f"slower than {left_s:.3f} s/step of {{back}} before the switch: switching back"
+        back_now = (not noise["reprofile_kept"]) if noise else measured > left_s * (1 + self.min_gain)
         if left is not None and self.phase == "steady" and d.kind != "profile" and back_now:
             # the measurement does not back this switch: go back to the plan the run was on
             back = left[0]
+            why = (f"not faster than {left_s:.3f} s/step of {layout_label(back)} by more than the "
+                   f"noise margin ({noise['noise_margin_s']:.3f} s): switching back to the plan the "
+                   "run was on" if noise else
+                   f"slower than {left_s:.3f} s/step of {layout_label(back)} before the switch: "
+                   "switching back")
             out.append(self._decide("replan", step, back, preds,
-                                    f"{layout_label(self.layout)} measured {measured:.3f} s/step, "
-                                    + why.format(back=layout_label(back)),
+                                    f"{layout_label(self.layout)} measured {measured:.3f} s/step, " + why,
                                     predicted=left_s, measured=measured,
                                     switch_cost={"reprofile": True, **noise} if reprofile else None))
             self._left = None  # a revert is not itself reverted: no ping-pong on noisy steps
