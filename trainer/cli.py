@@ -24,11 +24,13 @@ def register(app: typer.Typer) -> None:
         """Train standalone on a local Ray (started when none is running)."""
         from trainer.config import ConfigError, load_config
         from trainer.entry import format_step, run_training
+        from trainer.placement.link import config_link_calibration
         from trainer.placement.memory import check_memory
 
         try:
             cfg = load_config(config, set_ or [])
             check_memory(cfg, probe_gpu=True)  # refuse a placement that cannot fit, before Ray
+            config_link_calibration(cfg)  # and a link calibration that cannot be read
         except ConfigError as exc:
             for path, msg in exc.errors:
                 typer.echo(f"config error: {path or '<top>'}: {msg}", err=True)

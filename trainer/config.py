@@ -240,6 +240,13 @@ class PlacementConfig(_Group):
         0.1, ge=0, lt=1, description="auto: predicted step-time gain a new plan must clear "
         "(and repay its switch cost over the remaining steps) before the run switches to it."
     )
+    link_calibration: str | None = Field(
+        None, min_length=1, description="A measured weight-sync link (`bench/weight_sync.py --two-nodes` writes "
+        "`.yatt/link-calibration.json`): its fixed cost per round and bandwidth are the cost "
+        "model's prior for the link terms, which one policy size cannot separate. Read where the "
+        "run starts (the driver's host: use an absolute path for runs submitted over HTTP).",
+        examples=[".yatt/link-calibration.json"],
+    )
 
     @model_validator(mode="after")
     def _split_fits(self) -> PlacementConfig:

@@ -128,10 +128,13 @@ class Driver:
         from trainer import checkpoint as ckpt
         from trainer.models import ensure_model
         from trainer.placement import build_placement
+        from trainer.placement.link import config_link_calibration
 
         t_start = time.time()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
+            # a link calibration that cannot be read fails the run before anything starts
+            config_link_calibration(self.cfg)
             model_dir = str(ensure_model(self.cfg).resolve())
             cfg_json = self.cfg.model_dump_json()
             placement = build_placement(self.cfg)
@@ -396,7 +399,7 @@ class Driver:
 
         planner = AutoPlanner(self.cfg, param_bytes=_param_bytes(self.cfg, model_dir))
         self._planner = planner
-        self._cost_fit = OnlineFit(planner.layout, param_bytes=planner.param_bytes)
+        self._cost_fit = OnlineFit(planner.layout, param_bytes=planner.param_bytes, link=planner.link)
         return layout_config(self.cfg, planner.layout).model_dump_json()
 
     def _planner_label(self, layout: Any = None) -> str:
@@ -512,7 +515,8 @@ def _short(exc: BaseException) -> str:
 
 
 def resolve_paths(data: dict[str, Any], base: Path | None = None) -> dict[str, Any]:
-    """Make relative model/data paths absolute, so actors with another working dir find them."""
+    """Make relative model/data paths (and a link calibration's) absolute, so actors with another
+    working dir find them."""
     base = base or Path.cwd()
     out = json.loads(json.dumps(data))
     model = out.setdefault("model", {})
@@ -523,4 +527,7 @@ def resolve_paths(data: dict[str, Any], base: Path | None = None) -> dict[str, A
     for key in ("path", "eval_path"):
         if d.get(key) and (base / d[key]).exists():
             d[key] = str((base / d[key]).resolve())
+    p = out.get("placement", {})
+    if p.get("link_calibration"):
+        p["link_calibration"] = str((base / p["link_calibration"]).resolve())
     return out

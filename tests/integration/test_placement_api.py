@@ -36,3 +36,18 @@ def test_placement_that_cannot_fit_is_422_naming_the_field_and_stores_nothing(li
         ok = c.post("/runs", json={"experiment": "mem", "config": _config(suggested)})
         assert ok.status_code == 201, ok.text
         assert ok.json()["config"]["placement"]["device_memory_gb"] == 3
+
+
+def test_a_link_calibration_path_passes_through_and_an_empty_one_is_422(live_api: LiveAPI) -> None:
+    # the API stores the path; the driver reads the file on the cluster (docs/placement.md)
+    config = _config(1.0, mode="disaggregated")
+    config["placement"]["link_calibration"] = "/cluster/share/link-calibration.json"
+    with httpx.Client(base_url=live_api.url + "/api/v1", timeout=30,
+                      headers={"Authorization": f"Bearer {live_api.token}"}) as c:
+        assert c.post("/runs/validate", json={"config": config}).status_code == 200
+        ok = c.post("/runs", json={"experiment": "link", "config": config})
+        assert ok.status_code == 201, ok.text
+        assert ok.json()["config"]["placement"]["link_calibration"] == "/cluster/share/link-calibration.json"
+        config["placement"]["link_calibration"] = ""
+        r = c.post("/runs/validate", json={"config": config})
+        assert r.status_code == 422 and r.json()["detail"][0]["path"] == "placement.link_calibration"

@@ -351,3 +351,68 @@ def test_a_rule_reward_never_plans_partial_colocate_on_the_same_phase_times():
                                  tail_at=lambda s: 16)
     assert all(lay.mode != "partial_colocate" for lay in layouts.values())
     assert all(p["mode"] != "partial_colocate" for d in decisions for p in d.predictions)
+
+
+def _reprofile(seed: int, factor: float, noise: float = 0.15):
+    """A re-profile from colocate to disaggregated after step 44 whose steps are noisy (±`noise`)
+    around colocate's true step time (disaggregated's × `factor`): the planner's follow-up."""
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    drive(planner, 40)
+    assert planner.layout == COLOCATE and planner.phase == "steady"
+    rng = random.Random(seed)
+    base = phase_times(TRUE, Workload(16, 8, LengthDist(5), 8, 4e6), COLOCATE).step
+
+    def noisy(layout: Layout, f: float) -> dict[str, float]:
+        return {**measured(TRUE, layout, rng), "time/step": base * f * rng.uniform(1 - noise, 1 + noise)}
+
+    planner.anchor_step = 44  # no drift check in between: the re-profile is what is tested
+    for step in range(41, 45):
+        planner.observe(step, noisy(COLOCATE, 1.0), now=0.0)
+    planner.fresh_since = 41  # the shift the re-profile follows
+    preds = planner._predictions(planner.params, planner._recent(COLOCATE, 4))
+    planner._decide("replan", 44, DISAGG, preds, "test: re-profile", switch_cost={"reprofile": True})
+    planner._reprofiling = True
+    planner.switched(DISAGG, 44)
+    out = []
+    for step in range(45, 60):
+        out += planner.observe(step, noisy(DISAGG, factor), now=0.0)
+        if planner.pending is not None or any(d.kind == "measured" for d in out):
+            break
+    return planner, out
+
+
+def test_a_re_profile_of_an_equally_fast_plan_goes_back_whatever_the_noise():
+    # two plans of the same speed, ±15% per step, 4 steps each: the alternative's mean came out
+    # below the old plan's in about half the seeds, and the re-profile kept it then (no margin)
+    faster_by_noise = 0
+    for seed in range(10):
+        planner, out = _reprofile(seed, factor=1.0)
+        m = next(d for d in out if d.kind == "measured")
+        assert m.extra["reprofile"] and m.extra["reprofile_kept"] is False
+        assert m.extra["noise_margin_s"] > 0 and "noise margin" in m.reason
+        faster_by_noise += m.measured_step_s < m.extra["left_step_s"]
+        back = [d for d in out if d.kind == "replan"]
+        assert len(back) == 1 and back[0].chosen == COLOCATE and planner.pending == COLOCATE
+        assert "by more than the noise margin" in back[0].reason
+        assert back[0].extra["noise_margin_s"] == m.extra["noise_margin_s"]
+    assert faster_by_noise >= 3  # the old rule would have kept the alternative in these
+
+
+def test_a_re_profile_that_measures_clearly_faster_is_kept():
+    for seed in range(10):
+        planner, out = _reprofile(seed, factor=0.7)
+        m = next(d for d in out if d.kind == "measured")
+        assert m.extra["reprofile_kept"] is True
+        assert m.extra["left_step_s"] - m.measured_step_s > m.extra["noise_margin_s"]
+        assert not [d for d in out if d.kind == "replan"] and planner.pending is None
+        assert planner.layout == DISAGG
+
+
+def test_the_noise_margin_is_two_standard_errors_of_the_difference():
+    from trainer.placement.auto import _noise_margin
+
+    # Welch: sqrt(var_a / n_a + var_b / n_b), sample variances 1/6 and 2/3
+    assert _noise_margin([1.0, 2.0, 1.5, 1.5], [3.0, 1.0, 2.0, 2.0]) == pytest.approx(
+        2 * ((1 / 6) / 4 + (2 / 3) / 4) ** 0.5)
+    assert _noise_margin([1.0], [1.0, 2.0]) == pytest.approx(2 * (0.5 / 1 + 0.5 / 2) ** 0.5)
+    assert _noise_margin([1.0], [2.0]) == 0.0

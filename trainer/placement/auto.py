@@ -24,10 +24,11 @@ plan, resume). Phases of a run:
    the other plans' steps from before the shift are stale, and each candidate is predicted under
    every attribution of the change to a phase's terms (`_replan_per_phase`): a plan faster under
    all of them is switched to, one faster under some only is re-profiled (measured for
-   `profile_steps` steps, the faster kept). Then the candidates are compared again on the current
-   work: a switch, or "kept" when the gain is too small. After a switch the measured step time of
-   the new plan is reported and the model refitted on the steps both plans ran since the shift; a
-   switch that measured slower than the plan it left is reverted.
+   `profile_steps` steps, kept only when faster beyond the noise of the two plans' steps). Then
+   the candidates are compared again on the current work: a switch, or "kept" when the gain is
+   too small. After a switch the measured step time of the new plan is reported and the model
+   refitted on the steps both plans ran since the shift; a switch that measured slower than the
+   plan it left is reverted.
 
 Candidates come from `CANDIDATE_FAMILIES`, one entry per mode: colocate, disaggregated with every
 split, and partial_colocate with every number of scoring devices when the reward is a model.
@@ -51,6 +52,7 @@ from trainer.placement.cost_model import (
     measured_phase,
     phase_times,
 )
+from trainer.placement.link import LinkCalibration, config_link_calibration
 
 __all__ = ["CANDIDATE_FAMILIES", "AutoPlanner", "Decision", "candidate_layouts", "layout_config",
            "layout_label", "starting_layout"]
@@ -194,6 +196,33 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+# A re-profile keeps the plan it measured when its mean step time is below the plan's it left by
+# more than this many standard errors of the difference of the two means.
+REPROFILE_SE = 2.0
+
+
+def _noise_margin(left: list[float], here: list[float]) -> float:
+    """`REPROFILE_SE` standard errors of the difference of two plans' mean step times (Welch:
+    each plan's own spread over its own steps). A re-profile compares `profile_steps` (4) steps of
+    each: with noise alone the new plan's mean comes out below the old one's half of the time, and
+    the re-profile used to keep it then (no margin), a gang restart on a coin flip; beyond 2
+    standard errors, about 5% of the time (one-sided, t with ~6 degrees of freedom). A plan with
+    one step borrows the other's spread; with one step each there is none to go by (margin 0)."""
+    def var(xs: list[float]) -> float | None:
+        if len(xs) < 2:
+            return None
+        m = _mean(xs)
+        return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+    v_left, v_here = var(left), var(here)
+    if v_left is None and v_here is None:
+        return 0.0
+    v_left = v_here if v_left is None else v_left
+    v_here = v_left if v_here is None else v_here
+    assert v_left is not None and v_here is not None
+    return REPROFILE_SE * math.sqrt(v_left / len(left) + v_here / len(here))
+
+
 # What a step's work is made of: the cost model's drivers, as the controllers report them.
 WORK_KEYS = ("tokens/generated", "tokens/trained", "response/length_mean", "response/length_max")
 
@@ -289,8 +318,12 @@ class AutoPlanner:
     clock unless asked (`now`), so the decision logic is unit-tested on synthetic steps."""
 
     def __init__(self, cfg: TrainerConfig, *, param_bytes: float,
-                 candidates: list[tuple[Layout, bool]] | None = None, start: Layout | None = None):
+                 candidates: list[tuple[Layout, bool]] | None = None, start: Layout | None = None,
+                 link: LinkCalibration | None = None):
         p = cfg.placement
+        # the measured link (placement.link_calibration): every fit keeps its bandwidth, which the
+        # run's one policy size cannot separate from the fixed cost of a weight-sync round
+        self.link = link if link is not None else config_link_calibration(cfg)
         self.candidates = candidate_layouts(cfg) if candidates is None else candidates
         self.layout = start or starting_layout(cfg, self.candidates)
         self.param_bytes = param_bytes
@@ -313,7 +346,8 @@ class AutoPlanner:
         self.switch_cost_s = DEFAULT_SWITCH_COST_S
         self._stopped_at: float | None = None  # when the last gang's final step was reported
         self._followup: Decision | None = None  # the switch whose measured step time is due
-        self._left: tuple[Layout, float] | None = None  # the plan a switch left, its measured s/step
+        # the plan a switch left and its step times measured since the last shift
+        self._left: tuple[Layout, list[float]] | None = None
         self.fresh_since = 0  # steps before this one were measured before the last shift: stale
         self._reprofiling = False  # the pending switch measures a plan the model could not decide on
 
@@ -429,7 +463,8 @@ class AutoPlanner:
 
         - a plan faster by `replan_min_gain` under every attribution: switch to it;
         - a plan faster by that much under some attribution only: re-profile it (switch, measure
-          `profile_steps` steps, keep the faster of the two as measured, refit on both plans'
+          `profile_steps` steps, keep it only when it measured faster than this plan by more than
+          `REPROFILE_SE` standard errors of the difference, else go back; refit on both plans'
           new steps) — the model cannot decide, a measurement can;
         - otherwise keep the plan."""
         cause["model_update"] = "per_phase"
@@ -471,7 +506,8 @@ class AutoPlanner:
                                  drift=drift, measured=measured, gain=maybe[target], switch_cost=extra)
                 return self._rate_limited(step, d)
             d = self._decide("replan", step, target, preds,
-                             reason + f"re-profile it for {self.profile_steps} steps and keep the faster",
+                             reason + f"re-profile it for {self.profile_steps} steps and keep it if faster "
+                             "beyond the noise",
                              drift=drift, measured=measured, gain=maybe[target],
                              switch_cost={**extra, "reprofile": True})
             self._reprofiling = True
@@ -496,7 +532,8 @@ class AutoPlanner:
             return []
         self._followup = None
         here = here[-self.profile_steps:]
-        measured = _mean([o.get("time/step") for o in here])
+        times = [o.get("time/step") for o in here]
+        measured = _mean(times)
         left = self._left
         self._left = None
         reprofile, self._reprofiling = self._reprofiling, False
@@ -507,31 +544,43 @@ class AutoPlanner:
             self.params = self._fit(fresh, prior=self.params)
             preds = self._predictions(self.params, here)
         reason = f"after the {d.kind} at step {d.step}"
+        left_s = _mean(left[1]) if left is not None else 0.0
+        noise: dict[str, Any] = {}
         if reprofile and left is not None:
-            reason += (f" (a re-profile: {'slower' if measured > left[1] else 'faster'} than the "
-                       f"{left[1]:.3f} s/step {layout_label(left[0])} measured before it)")
+            # a re-profile keeps the plan it measured only when it measured faster than the plan
+            # the run was on by more than the noise of the two means (_noise_margin)
+            margin = _noise_margin(left[1], times)
+            keep = left_s - measured > margin
+            noise = {"left_step_s": left_s, "noise_margin_s": margin, "reprofile_kept": keep}
+            reason += (f" (a re-profile: {'faster' if measured < left_s else 'slower'} than the "
+                       f"{left_s:.3f} s/step {layout_label(left[0])} measured before it; noise "
+                       f"margin {margin:.3f} s ({REPROFILE_SE:g} standard errors of the "
+                       f"difference): {'kept' if keep else 'not faster beyond it'})")
         out = [Decision("measured", step, d.chosen, d.chosen, reason,
                         predictions=[_prediction_event(p) for p in preds],
                         predicted_step_s=d.predicted_step_s, measured_step_s=measured,
                         extra={"decision_step": d.step, "error": (d.predicted_step_s - measured)
                                / measured if measured and d.predicted_step_s else None,
-                               **({"reprofile": True} if reprofile else {})})]
+                               **({"reprofile": True} if reprofile else {}), **noise})]
         if preds:
             self.anchor = next(p["phases"] for p in preds if p["layout"] == self.layout)
             self.anchor_work, self.anchor_step = self._pred_work, step
-        # a re-profile keeps the faster as measured; a switch the model was sure of is reverted only
-        # when it measured slower by the gain threshold (no ping-pong on noisy steps)
-        margin = 0.0 if reprofile else self.min_gain
-        if (left is not None and self.phase == "steady" and d.kind != "profile"
-                and measured > left[1] * (1 + margin)):
-            # the model was wrong about this switch: go back to the plan that measured faster
+        # a re-profile goes back unless the plan it measured was faster beyond the noise; a switch
+        # the model was sure of is reverted only when it measured slower by the gain threshold (no
+        # ping-pong on noisy steps)
+        back_now = (not noise["reprofile_kept"]) if noise else measured > left_s * (1 + self.min_gain)
+        if left is not None and self.phase == "steady" and d.kind != "profile" and back_now:
+            # the measurement does not back this switch: go back to the plan the run was on
             back = left[0]
+            why = (f"not faster than {left_s:.3f} s/step of {layout_label(back)} by more than the "
+                   f"noise margin ({noise['noise_margin_s']:.3f} s): switching back to the plan the "
+                   "run was on" if noise else
+                   f"slower than {left_s:.3f} s/step of {layout_label(back)} before the switch: "
+                   "switching back")
             out.append(self._decide("replan", step, back, preds,
-                                    f"{layout_label(self.layout)} measured {measured:.3f} s/step, "
-                                    f"slower than {left[1]:.3f} s/step of {layout_label(back)} "
-                                    "before the switch: switching back",
-                                    predicted=left[1], measured=measured,
-                                    switch_cost={"reprofile": True} if reprofile else None))
+                                    f"{layout_label(self.layout)} measured {measured:.3f} s/step, " + why,
+                                    predicted=left_s, measured=measured,
+                                    switch_cost={"reprofile": True, **noise} if reprofile else None))
             self._left = None  # a revert is not itself reverted: no ping-pong on noisy steps
             # the model was wrong here: later checks compare against what the plan measured
             back_obs = self._recent(back, self.profile_steps)
@@ -592,13 +641,13 @@ class AutoPlanner:
         if d.switch:
             here = [o.get("time/step") for o in self._recent(self.layout, self.profile_steps)
                     if self._step_of(o) >= self.fresh_since]
-            self._left = (self.layout, _mean(here)) if here else None
+            self._left = (self.layout, here) if here else None
             self.pending = chosen
             self._followup = d
         return d
 
     def _fit(self, obs: list[StepObservation], prior: CostParams | None = None) -> CostParams:
-        params = fit(obs, prior=prior).params
+        params = fit(obs, prior=prior, link=self.link).params
         if prior is not None and all(o.layout.train_pool == 1 for o in obs):
             params.allreduce_Bps = prior.allreduce_Bps  # no all-reduce was measured: keep the old term
         return params

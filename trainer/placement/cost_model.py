@@ -30,7 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 from statistics import NormalDist
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.placement.link import LinkCalibration
 
 __all__ = [
     "MODES",
@@ -356,12 +359,16 @@ def _rel_err(pred: list[float], meas: list[float]) -> float:
     return sum(abs(a - b) for a, b in zip(pred, meas, strict=True)) / total if total > 1e-9 else 0.0
 
 
-def fit(obs: list[StepObservation], *, prior: CostParams | None = None) -> FitResult:
+def fit(obs: list[StepObservation], *, prior: CostParams | None = None,
+        link: LinkCalibration | None = None) -> FitResult:
     """Fit the parameters to measured steps, one linear problem per phase.
 
     A phase whose drivers never vary across `obs` cannot separate its terms; least squares then
     picks one split of the same total, which predicts the measured layouts equally well. Terms
-    never observed (no offload on CPU, no link sync in a colocate-only profile) keep `prior`."""
+    never observed (no offload on CPU, no link sync in a colocate-only profile) keep `prior`.
+    Weight movement is such a phase in every run (one policy size): without `link` its whole time
+    lands in `sync_fixed_s`, with a measured link (`placement.link_calibration`) its bandwidth
+    holds (`_sync_on_calibrated_link`)."""
     if not obs:
         raise ValueError("fit needs at least one measured step")
     p = replace(prior) if prior is not None else CostParams()
@@ -396,17 +403,20 @@ def fit(obs: list[StepObservation], *, prior: CostParams | None = None) -> FitRe
     p.train_fixed_s, p.train_token_s, inv_ar = _nnls(rows, ys)
     p.allreduce_Bps = 1 / inv_ar if inv_ar > 0 else math.inf
     # weight movement: in place (colocate / partial) and over a link (disaggregated)
-    rows, ys = [], []
-    for o in obs:
-        local = o.layout.mode != "disaggregated"
-        rows.append([1.0, o.param_bytes if local else 0.0, 0.0 if local else o.param_bytes])
-        ys.append(o.get("time/weight_sync"))
-    sync_fixed, inv_local, inv_link = _nnls(rows, ys)
-    p.sync_fixed_s = sync_fixed
-    if any(o.layout.mode != "disaggregated" for o in obs):
-        p.sync_local_Bps = 1 / inv_local if inv_local > 0 else math.inf
-    if any(o.layout.mode == "disaggregated" for o in obs):
-        p.sync_link_Bps = 1 / inv_link if inv_link > 0 else math.inf
+    if link is not None and len({o.param_bytes for o in obs}) == 1:
+        _sync_on_calibrated_link(p, obs, link)
+    else:
+        rows, ys = [], []
+        for o in obs:
+            local = o.layout.mode != "disaggregated"
+            rows.append([1.0, o.param_bytes if local else 0.0, 0.0 if local else o.param_bytes])
+            ys.append(o.get("time/weight_sync"))
+        sync_fixed, inv_local, inv_link = _nnls(rows, ys)
+        p.sync_fixed_s = sync_fixed
+        if any(o.layout.mode != "disaggregated" for o in obs):
+            p.sync_local_Bps = 1 / inv_local if inv_local > 0 else math.inf
+        if any(o.layout.mode == "disaggregated" for o in obs):
+            p.sync_link_Bps = 1 / inv_link if inv_link > 0 else math.inf
     offloads = [o.get("time/offload") for o in obs if "time/offload" in o.metrics]
     if offloads:
         p.offload_s = sum(offloads) / len(offloads)
@@ -438,6 +448,41 @@ def fit(obs: list[StepObservation], *, prior: CostParams | None = None) -> FitRe
     return FitResult(params=p, step_error=_rel_err(pred_step, meas_step),
                      phase_error={k: _rel_err(pred_phase[k], meas_phase[k]) for k in pred_phase},
                      observations=len(obs), by_mode=by_mode)
+
+
+def _sync_on_calibrated_link(p: CostParams, obs: list[StepObservation], link: LinkCalibration) -> None:
+    """The weight-movement terms of `p` from steps of one policy size and a measured link.
+
+    One size cannot separate a round's fixed cost from its bytes / bandwidth: every split of the
+    measured time predicts these steps equally well, and least squares puts all of it in the fixed
+    term, which predicts a 70 MB policy's sync as a 4 MB one's. The calibration measured two sizes,
+    so what the steps cannot see comes from it, as `fit` keeps any unobserved term from its prior:
+
+    - the link's bandwidth, always;
+    - the fixed cost of a round: what the link steps (disaggregated) measured beyond their bytes'
+      share, the run's own; without link steps, the calibration's;
+    - in-place movement (colocate, partial_colocate) shares that fixed term (the model has one) and
+      puts what its steps measured beyond it on the bytes, as the in-place bandwidth.
+
+    When the link steps took less than their bytes at the calibrated bandwidth alone, this is not
+    the calibrated link: their own bandwidth is fitted (no fixed cost), as a fit of one size does."""
+    links = [o for o in obs if o.layout.mode == "disaggregated"]
+    local = [o for o in obs if o.layout.mode != "disaggregated"]
+    p.sync_link_Bps, p.sync_fixed_s = link.sync_link_Bps, link.sync_fixed_s
+    if links:
+        per_byte = 1 / link.sync_link_Bps if math.isfinite(link.sync_link_Bps) else 0.0
+        fixed = _mean([o.get("time/weight_sync") - o.param_bytes * per_byte for o in links])
+        if fixed < 0:
+            (inv,) = _nnls([[o.param_bytes] for o in links], [o.get("time/weight_sync") for o in links])
+            p.sync_link_Bps, fixed = (1 / inv if inv > 0 else math.inf), 0.0
+        p.sync_fixed_s = fixed
+    if local:
+        beyond = _mean([o.get("time/weight_sync") - p.sync_fixed_s for o in local])
+        p.sync_local_Bps = _mean([o.param_bytes for o in local]) / beyond if beyond > 0 else math.inf
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
 
 
 def measured_phase(o: StepObservation, phase: str) -> float:
@@ -504,18 +549,21 @@ def observations_from_metrics(rows: list[dict[str, Any]], layout: Layout, *, par
 class OnlineFit:
     """The cost model refitted as a run goes: fed each step's combined metrics, it refits on the
     last `window` steps every `every` steps and returns its parameters and fit error as metrics
-    (`placement/cost/*`, `placement/fit/*`) for every step once it has `min_steps`."""
+    (`placement/cost/*`, `placement/fit/*`) for every step once it has `min_steps`. With `link`
+    (`placement.link_calibration`) the link terms keep the measured link's bandwidth."""
 
     def __init__(self, layout: Layout, *, param_bytes: float, window: int = 50, every: int = 5,
-                 min_steps: int = 4, skip_first: int = 2):
-        self.layout, self.param_bytes = layout, param_bytes
+                 min_steps: int = 4, skip_first: int = 2, link: LinkCalibration | None = None):
+        self.layout, self.param_bytes, self.link = layout, param_bytes, link
         self.window, self.every, self.min_steps, self.skip_first = window, every, min_steps, skip_first
         self.obs: list[StepObservation] = []
         self.result: FitResult | None = None
 
     @classmethod
     def for_config(cls, cfg: Any) -> OnlineFit | None:
-        """For a TrainerConfig of a mode the model covers; None when the model's shape is unknown."""
+        """For a TrainerConfig of a mode the model covers; None when the model's shape is unknown.
+        ConfigError when `placement.link_calibration` names a file that is not a calibration."""
+        from trainer.placement.link import config_link_calibration
         from trainer.placement.memory import DTYPE_BYTES, model_shape
 
         p = cfg.placement
@@ -527,7 +575,8 @@ class OnlineFit:
         return cls(Layout(p.mode, p.devices, rollout_devices=p.rollout_devices,
                           reward_devices=p.reward_devices if p.mode == "partial_colocate" else None,
                           staleness=p.staleness),
-                   param_bytes=shape.params * DTYPE_BYTES[cfg.model.dtype])
+                   param_bytes=shape.params * DTYPE_BYTES[cfg.model.dtype],
+                   link=config_link_calibration(cfg))
 
     def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Take one step's metrics; the current fit's metrics (empty until there is one)."""
@@ -535,5 +584,5 @@ class OnlineFit:
             self.obs.append(StepObservation(self.layout, self.param_bytes, dict(metrics)))
             self.obs = self.obs[-self.window:]
             if len(self.obs) >= self.min_steps and (self.result is None or step % self.every == 0):
-                self.result = fit(self.obs)
+                self.result = fit(self.obs, link=self.link)
         return self.result.as_metrics() if self.result is not None else {}

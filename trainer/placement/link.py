@@ -11,6 +11,12 @@ parameter set: the one `fit` made from a cluster's measured steps, or a hardware
 
 The fixed term is shared: the cost model has one ``sync_fixed_s`` for in-place and link movement
 (the per-round Ray call and group handshake), so applying a calibration sets it for both.
+
+A running job takes one through `placement.link_calibration`: the driver's online fit and the
+`auto` planner fit the cost model with it as the prior of the link terms (`fit(..., link=...)`).
+A run has one policy size, so its own `time/weight_sync` cannot tell the round's fixed cost from
+the bandwidth; the calibration's bandwidth holds, and the fixed term is fitted to what the run
+measures beyond it.
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.placement.cost_model import CostParams, _nnls
 
-__all__ = ["LinkCalibration", "calibrate_link", "load_link_calibration"]
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
+
+__all__ = ["LinkCalibration", "calibrate_link", "config_link_calibration", "load_link_calibration"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +95,29 @@ def load_link_calibration(path: str | Path) -> LinkCalibration:
                            error=float(data.get("error", 0.0)),
                            measurements=[(float(b), float(s)) for b, s in data.get("measurements", [])],
                            source=dict(data.get("source", {})))
+
+
+def config_link_calibration(cfg: TrainerConfig) -> LinkCalibration | None:
+    """The calibration `cfg.placement.link_calibration` names, or None when it names none.
+
+    Read where the run starts (`yatt train` before Ray, the driver on the cluster), not when a
+    config is parsed: every actor re-parses its config, and a second node need not have the file.
+    A file that is missing or is not a calibration is a ConfigError naming the field."""
+    from trainer.config import ConfigError
+
+    path = cfg.placement.link_calibration
+    if path is None:
+        return None
+    field_name = "placement.link_calibration"
+    try:
+        cal = load_link_calibration(path)
+    except OSError as exc:
+        raise ConfigError([(field_name, f"cannot read {path}: {exc.strerror or exc}")]) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ConfigError([(field_name, f"{path} is not a link calibration (bench/weight_sync.py "
+                            f"--two-nodes writes one): {what}")]) from None
+    if not (cal.sync_fixed_s >= 0 and math.isfinite(cal.sync_fixed_s) and cal.sync_link_Bps > 0):
+        raise ConfigError([(field_name, f"{path}: sync_fixed_s must be ≥ 0 and sync_link_Bps > 0, "
+                            f"got {cal.sync_fixed_s} and {cal.sync_link_Bps}")])
+    return cal
