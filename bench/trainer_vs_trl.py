@@ -166,7 +166,7 @@ def case_limit(tokens: int) -> dict:
     from trainer.config import parse_config
     from trainer.data import load_task
     from trainer.learner import Learner
-    from trainer.rollout import sampler_dtype
+    from trainer.precision import sampler_dtype
     from trainer.rollout.vllm_engine import VLLMEngine
 
     cores = os.cpu_count() or 2

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from trainer.algorithms import core as A
 from trainer.config import TrainerConfig
+from trainer.precision import cpu_native_bf16
 
 __all__ = ["DataParallelGroup", "Learner", "RLBatch", "ResponseLogprobs", "ValueModel", "apply_fsdp",
            "lr_lambda"]
@@ -325,11 +326,7 @@ def native_bf16(device: torch.device) -> bool:
     """
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return cpu_native_bf16()
 
 
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:

@@ -230,13 +230,13 @@ def test_bf16_sampler_loads_the_trainers_fp32_weights_and_stays_close_to_them(bu
     file: with a second vLLM engine alive in the process, the first one's later weight reload
     no longer matched HF greedy (seen when this test ran before that one)."""
     from trainer.learner import native_bf16
-    from trainer.rollout import sampler_dtype
+    from trainer.precision import sampler_dtype
 
     cfg, model_dir, tok, base, trained = built
     bf16 = _cfg(model_dir, dtype="auto")
     if not native_bf16(torch.device("cpu")):
         pytest.skip("this CPU has no native bf16: auto keeps fp32")
-    assert sampler_dtype(bf16) == "bfloat16"
+    assert sampler_dtype(bf16, "cpu") == "bfloat16"
     engine = make_engine(bf16, model_dir, threads=1, seed=0)
     try:
         engine.update_weights(trained.state_dict().items())

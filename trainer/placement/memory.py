@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError, TrainerConfig
+from trainer.precision import sampler_dtype
 
 __all__ = ["MemoryEstimate", "ModelShape", "check_memory", "device_memory_bytes",
            "estimate_memory", "model_shape"]
@@ -207,8 +208,6 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
         runtime = {"runtime": GPU_CONTEXT_BYTES}
         engine_runtime = 0.0
     else:
-        from trainer.rollout import sampler_dtype
-
         sampler["sampler_weights"] = P * DTYPE_BYTES[sampler_dtype(cfg, "cpu")]
         sampler["kv_cache"] = cfg.rollout.kv_cache_gb * GiB
         runtime = {"runtime": CPU_PROCESS_BYTES}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.config import TrainerConfig
+from trainer.precision import sampler_dtype
 from trainer.rollout.base import FinishReason, RolloutEngine, Sample
 
 __all__ = ["FinishReason", "RolloutEngine", "Sample", "make_engine", "rollout_device", "sampler_dtype"]
@@ -18,25 +19,6 @@ def rollout_device(cfg: TrainerConfig) -> str:
     if kind == "gpu" or (kind == "auto" and torch.cuda.is_available()):
         return "cuda"
     return "cpu"
-
-
-def sampler_dtype(cfg: TrainerConfig, device: str | None = None) -> str:
-    """The dtype the sampler computes in: `rollout.dtype`, with ``auto`` resolved for ``device``
-    (default: where `rollout_device` puts it).
-
-    vLLM on a CPU with AMX/AVX512-BF16 generates about 1.9x faster in bf16 than in fp32 (the
-    `small` model, 32 × 256 tokens, one core: 7.5 → 4.0 s; docs/benchmarks.md trainer_vs_trl).
-    """
-    if cfg.rollout.dtype != "auto":
-        return cfg.rollout.dtype
-    import torch
-
-    from trainer.learner import native_bf16
-
-    dev = torch.device(device or rollout_device(cfg))
-    if cfg.model.dtype == "float32" and native_bf16(dev) and (cfg.rollout.engine == "vllm" or dev.type == "cuda"):
-        return "bfloat16"
-    return cfg.model.dtype
 
 
 def make_engine(

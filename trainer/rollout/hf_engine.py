@@ -27,7 +27,7 @@ class HFEngine:
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from trainer.rollout import sampler_dtype
+        from trainer.precision import sampler_dtype
 
         self.tokenizer = AutoTokenizer.from_pretrained(
             str(model_dir), trust_remote_code=cfg.model.trust_remote_code

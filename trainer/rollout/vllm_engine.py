@@ -80,7 +80,7 @@ class VLLMEngine:
             torch.set_num_threads(threads)
         from vllm import LLM
 
-        from trainer.rollout import sampler_dtype
+        from trainer.precision import sampler_dtype
 
         r = cfg.rollout
         kwargs: dict[str, object] = {
