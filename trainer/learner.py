@@ -157,11 +157,11 @@ class ResponseLogprobs(nn.Module):
         autograd, so its softmax is not kept for the backward (one ``[B, T, V]`` fp32 less).
         """
         def ent_of(logits: Tensor, lse: Tensor | None = None) -> Tensor:
+            # under no_grad nothing here is recorded for the backward; `lse` is the chunk's own
             with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-                x = logits if entropy_grad else logits.detach()
                 if lse is None:
-                    return A.entropy_from_logits(x)
-                return (lse if entropy_grad else lse.detach()) - (torch.softmax(x, dim=-1) * x).sum(-1)
+                    return A.entropy_from_logits(logits)
+                return lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
         model = self.lm
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
