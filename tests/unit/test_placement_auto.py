@@ -28,12 +28,17 @@ def cfg(**placement):
 
 
 def measured(params: CostParams, layout: Layout, rng: random.Random, *,
-             tail: float = 1.0, length: float = 1.0) -> dict[str, float]:
+             tail: float = 1.0, length: float = 1.0, oversample: float = 1.0) -> dict[str, float]:
     """One step's metrics as the driver combines them, from `params` with 2% noise; responses are
-    4–6 tokens × `length` long on average, the longest of the 128 is `tail` × their mean."""
+    4–6 tokens × `length` long on average, the longest of the 128 is `tail` × their mean.
+    `oversample`: dynamic sampling generates for that many times the 16 prompts it trains on (the
+    Workload's prompt tokens shrink so that the trained tokens stay those of 16 prompts, as
+    StepObservation.workload reads a step whose generated and trained samples differ)."""
     mean = rng.uniform(4, 6) * length
-    w = Workload(prompts=16, n=8, response=LengthDist.from_mean_max(mean, mean * tail, 128),
-                 prompt_tokens=8, param_bytes=4e6)
+    prompts = round(16 * oversample)
+    trained = 16 * 8 * (8 + mean)
+    w = Workload(prompts=prompts, n=8, response=LengthDist.from_mean_max(mean, mean * tail, prompts * 8),
+                 prompt_tokens=trained / (prompts * 8) - mean, param_bytes=4e6)
     pt = phase_times(params, w, layout)
     noise = lambda x: x * rng.uniform(0.98, 1.02)  # noqa: E731
     out = {"time/step": noise(pt.step), "time/rollout": noise(pt.rollout), "time/reward": noise(pt.reward),
@@ -48,14 +53,14 @@ def measured(params: CostParams, layout: Layout, rng: random.Random, *,
 
 
 def drive(planner: AutoPlanner, steps: int, params_at=lambda step: TRUE, seed: int = 0,
-          tail_at=lambda step: 1.0, length_at=lambda step: 1.0):
+          tail_at=lambda step: 1.0, length_at=lambda step: 1.0, oversample_at=lambda step: 1.0):
     """Run the planner like the driver does: a switch stops the gang and resumes at that step."""
     rng = random.Random(seed)
     decisions, layouts = [], {}
     for step in range(1, steps + 1):
         layouts[step] = planner.layout
         metrics = measured(params_at(step), planner.layout, rng, tail=tail_at(step),
-                           length=length_at(step))
+                           length=length_at(step), oversample=oversample_at(step))
         for d in planner.observe(step, metrics, now=0.0):
             decisions.append(d)
         if planner.pending is not None:
@@ -146,6 +151,32 @@ def test_responses_growing_a_long_tail_re_plan_for_the_work():
     replan = [d for d in decisions if d.kind == "replan" and d.switch]
     assert replan and replan[0].chosen == DISAGG and replan[0].step > 60 and layouts[140] == DISAGG
     assert replan[0].extra["work_change"] > 1.0 and "the work changed" in replan[0].reason
+
+
+def test_generation_growing_under_dynamic_sampling_compares_the_plans_again_and_says_why():
+    # as the policy learns, more groups come back all right and dynamic sampling generates for
+    # more prompts per step (here 1× → 1.8× from step 40 to 140) while it trains on the same 16:
+    # generation is a small part of this step, so the measured phase times stay within the drift
+    # threshold of the prediction (the old trigger never fired), but the work is not the one the
+    # plan was chosen for, and the plans are compared again on it
+    planner = AutoPlanner(cfg(), param_bytes=4e6)
+    decisions, layouts = drive(planner, 200,
+                               oversample_at=lambda s: 1.0 + 0.8 * min(1.0, max(0.0, (s - 40) / 100)))
+    initial = next(d for d in decisions if d.kind == "initial")
+    again = [d for d in decisions if d.step > initial.step + 6]
+    assert again and all(d.kind == "kept" and d.chosen == COLOCATE for d in again)
+    first = again[0]
+    assert first.step > 40 and first.extra["trigger"] == "work"
+    assert first.drift < planner.drift_threshold < first.extra["work_change"]
+    assert first.extra["work_driver"] == "tokens/generated"
+    assert first.extra["work_after"] > first.extra["work_before"] * (1 + planner.drift_threshold)
+    assert "tokens/generated" in first.reason and "compared again on the work done now" in first.reason
+    # predicted on the work done now: colocate's prediction is within 10% of what it measures
+    true_now = [c for c in planner.checks if c["step"] == first.step][0]
+    assert true_now["model_error"] < 0.1
+    assert all(layouts[s] == COLOCATE for s in range(initial.step + 6, 201))
+    # the checks between decisions saw the work grow without deciding anything
+    assert any(c["work_change"] < planner.drift_threshold and c["step"] > 40 for c in planner.checks)
 
 
 # Two shifts of one part of the step, from step 60: responses three times longer, and generating

@@ -236,6 +236,26 @@ def _work_change(before: dict[str, float], after: dict[str, float]) -> float:
     return max((abs(after[k] - v) / v for k, v in before.items() if v > 0 and k in after), default=0.0)
 
 
+def _work_driver(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The driver of the work that changed the most: its name and its value before and after."""
+    changed = [(abs(after[k] - v) / v, k) for k, v in before.items() if v > 0 and k in after]
+    if not changed:
+        return {}
+    _, key = max(changed)
+    return {"work_driver": key, "work_before": round(before[key], 2), "work_after": round(after[key], 2)}
+
+
+def _trigger_text(drift: float, cause: dict[str, Any], threshold: float) -> str:
+    """Why a check compared the plans again: the measured phase times left the prediction, or the
+    work per step moved past the threshold while the time per unit of work held."""
+    if cause.get("trigger") == "work":
+        return (f"the work per step changed since the last decision ({cause['work_driver']} "
+                f"{cause['work_before']:g} → {cause['work_after']:g} per step) while the measured phase "
+                f"times stayed within {drift:.0%} of the prediction for the old work"
+                f"{_cause_text(cause, threshold)}: the plans are compared again on the work done now")
+    return f"measured phase times drifted {drift:.0%} from the prediction{_cause_text(cause, threshold)}"
+
+
 def _measured_times(obs: list[StepObservation]) -> PhaseTimes:
     """The mean measured phase times of `obs` (steps of one plan), as a prediction to compare with."""
     m = {k: _mean([measured_phase(o, k) for o in obs])
@@ -418,12 +438,19 @@ class AutoPlanner:
         drift = _gap(measured, self.anchor)
         # why: did the work per step change, or the time the same work takes (load, a slower
         # device)? The model as fitted at the last decision, on the work done now, tells them apart.
-        cause: dict[str, Any] = {"work_change": _work_change(self.anchor_work, _work(recent))}
+        work = _work(recent)
+        cause: dict[str, Any] = {"work_change": _work_change(self.anchor_work, work)}
         if self.params is not None:
             cause["model_error"] = _gap(measured, self._predict(self.params, recent, self.layout))
         self.checks.append({"step": step, "drift": drift, **cause})
-        if drift <= self.drift_threshold:
+        if drift <= self.drift_threshold and cause["work_change"] <= self.drift_threshold:
             return []
+        # the work itself moving past the threshold is reason enough to compare the plans again:
+        # a plan chosen for one mix of generation and training may not be the best for another,
+        # even when this plan's time per unit of work holds (a growing dynamic-sampling ratio
+        # generates more per step while training stays fixed)
+        cause["trigger"] = "drift" if drift > self.drift_threshold else "work"
+        cause.update(_work_driver(self.anchor_work, work))
         if cause.get("model_error", math.inf) <= self.drift_threshold:
             # the work changed and the model predicts this plan on it: compare the plans on it
             recent = recent[-max(4, self.replan_every // 2):]
@@ -492,8 +519,7 @@ class AutoPlanner:
             lo, hi = by_point[target]["predicted_range_s"]
             c_lo, c_hi = by_point[cur]["predicted_range_s"]
             remaining = self.max_steps - step
-            reason = (f"measured phase times drifted {drift:.0%} from the prediction"
-                      f"{_cause_text(cause, self.drift_threshold)}; {layout_label(target)} predicted "
+            reason = (f"{_trigger_text(drift, cause, self.drift_threshold)}; {layout_label(target)} predicted "
                       f"{lo:.3f}–{hi:.3f} s/step vs {c_lo:.3f}–{c_hi:.3f} for {layout_label(cur)} "
                       f"(up to {maybe[target]:.1%} faster; this plan's steps alone cannot say which): ")
             # what the remaining steps would save under the attribution most in the plan's favour
@@ -614,8 +640,7 @@ class AutoPlanner:
                       f"{cur_s:.3f} for {layout_label(self.layout)}: {gain:.1%} faster")
             chosen = best["layout"]
         if drift is not None:
-            reason = (f"measured phase times drifted {drift:.0%} from the prediction"
-                      f"{_cause_text(cause or {}, self.drift_threshold)}; " + reason)
+            reason = f"{_trigger_text(drift, cause or {}, self.drift_threshold)}; " + reason
         if kind == "replan" and chosen == self.layout:
             kind = "kept"
         return self._decide(kind, step, chosen, preds, reason, predicted=next(
