@@ -128,12 +128,24 @@ def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
     """Three steps of two epochs, rank 1 empty at step 1: with small buckets, so that the
     all-reduce is several buckets launched during the backward; records how many each step's
     last policy backward had launched before `flush`."""
+    from transformers import AutoModelForCausalLM
+
     from trainer import learner as L
 
+    load = AutoModelForCausalLM.from_pretrained
+
+    def with_unused_parameter(*args, **kwargs):
+        model = load(*args, **kwargs)
+        # no loss reaches it, and it is first in order: the policy's last bucket waits for `flush`
+        model.register_parameter("unused", torch.nn.Parameter(torch.zeros(4)))
+        return model
+
+    AutoModelForCausalLM.from_pretrained = with_unused_parameter
     torch.set_num_threads(1)
     L.OVERLAP_GRAD_ALL_REDUCE = overlap
     L.GRAD_BUCKET_BYTES = 32 * 1024
-    group = L.DataParallelGroup("127.0.0.1", port, rank, 2)
+    # collectives out of order across ranks wait for each other: fail in minutes, not ten
+    group = L.DataParallelGroup("127.0.0.1", port, rank, 2, timeout_s=120)
     learner = L.Learner(parse_config(cfg_data), model_dir, dist_group=group)
     early: list[int] = []
     if overlap:
@@ -158,8 +170,9 @@ def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
 def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, tmp_path, monkeypatch):
     """Bucketed all-reduce launched mid-backward (`GradientBuckets`) against the blocking one
     after it: two micro-batches per rank, two epochs per step, a critic, and a rank with an empty
-    batch (it launches every bucket after no backward at all). A bucket launched on an earlier
-    micro-batch, or out of order across ranks, changes the weights or hangs."""
+    batch (it launches every bucket after no backward at all), and a policy parameter without a
+    gradient (its bucket goes after the backward, still before the critic's). A bucket launched on
+    an earlier micro-batch, or out of order across ranks, changes the weights or fails."""
     cfg_data = _cfg(nano)
     cfg_data["train"]["ppo_epochs"] = 2
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
