@@ -125,7 +125,7 @@ def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_p
 
 def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str,
                        overlap: bool) -> None:
-    """Three steps of two epochs, rank 1 empty at step 1: with small buckets, so that the
+    """An SFT step, then three RL steps of two epochs, rank 1 empty at step 1: with small buckets, so that the
     all-reduce is several buckets launched during the backward; records how many each step's
     last policy backward had launched before `flush`."""
     from transformers import AutoModelForCausalLM
@@ -159,6 +159,8 @@ def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
             flush()
 
         buckets.flush = counted_flush
+    # a warm-start step first: its blocking all-reduce after the backward, hooks installed
+    learner.sft_step([f"{rank}+2=", "3+4="], [str(rank + 2), "7"], learner.optimizer)
     for step in range(3):
         empty = rank == 1 and step == 1
         batch = L.RLBatch([], [], [], n=2, truncated=[]) if empty else _batch(learner, rank, step, rows=6)
