@@ -125,9 +125,9 @@ def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_p
 
 def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str,
                        overlap: bool) -> None:
-    """An SFT step, then three RL steps of two epochs, rank 1 empty at step 1: with small buckets, so that the
-    all-reduce is several buckets launched during the backward; records how many each step's
-    last policy backward had launched before `flush`."""
+    """An SFT step, then three RL steps of two epochs, rank 1 empty at step 1, with small
+    buckets (the all-reduce is several buckets launched during the backward); records how many
+    each step's last policy backward had launched before `flush`."""
     from transformers import AutoModelForCausalLM
 
     from trainer import learner as L
@@ -175,6 +175,8 @@ def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, t
     batch (it launches every bucket after no backward at all), and a policy parameter without a
     gradient (its bucket goes after the backward, still before the critic's). A bucket launched on
     an earlier micro-batch, or out of order across ranks, changes the weights or fails."""
+    from safetensors.torch import load_file
+
     cfg_data = _cfg(nano)
     cfg_data["train"]["ppo_epochs"] = 2
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
@@ -195,6 +197,8 @@ def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, t
     assert len(runs[True][0]["early"]) == 6 and len(runs[True][1]["early"]) == 4
     assert all(n > 0 for r in runs[True] for n in r["early"])
     reference = runs[False][0]
+    initial = load_file(str(nano / "model.safetensors"))
+    assert any(not torch.equal(t, reference["policy"][n]) for n, t in initial.items()), "nothing trained"
     for run in runs[True] + runs[False][1:]:
         for module in ("policy", "critic"):
             for name, tensor in run[module].items():
