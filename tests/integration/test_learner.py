@@ -123,6 +123,88 @@ def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_p
     assert 0 < a["metrics"][0]["rollout/is_capped_frac"] < 1
 
 
+def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str,
+                       overlap: bool) -> None:
+    """An SFT step, then three RL steps of two epochs, rank 1 empty at step 1, with small
+    buckets (the all-reduce is several buckets launched during the backward); records how many
+    each step's last policy backward had launched before `flush`."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer import learner as L
+
+    load = AutoModelForCausalLM.from_pretrained
+
+    def with_unused_parameter(*args, **kwargs):
+        model = load(*args, **kwargs)
+        # no loss reaches it, and it is first in order: the policy's last bucket waits for `flush`
+        model.register_parameter("unused", torch.nn.Parameter(torch.zeros(4)))
+        return model
+
+    AutoModelForCausalLM.from_pretrained = with_unused_parameter
+    torch.set_num_threads(1)
+    L.OVERLAP_GRAD_ALL_REDUCE = overlap
+    L.GRAD_BUCKET_BYTES = 32 * 1024
+    # collectives out of order across ranks wait for each other: fail in minutes, not ten
+    group = L.DataParallelGroup("127.0.0.1", port, rank, 2, timeout_s=120)
+    learner = L.Learner(parse_config(cfg_data), model_dir, dist_group=group)
+    early: list[int] = []
+    if overlap:
+        buckets = learner.policy_grads
+        assert buckets is not None and len(buckets.buckets) > 3
+        flush = buckets.flush
+
+        def counted_flush() -> None:
+            if buckets.armed:  # the flush right after the last backward, not the one in `wait`
+                early.append(buckets.launched)
+            flush()
+
+        buckets.flush = counted_flush
+    # a warm-start step first: its blocking all-reduce after the backward, hooks installed
+    learner.sft_step([f"{rank}+2=", "3+4="], [str(rank + 2), "7"], learner.optimizer)
+    for step in range(3):
+        empty = rank == 1 and step == 1
+        batch = L.RLBatch([], [], [], n=2, truncated=[]) if empty else _batch(learner, rank, step, rows=6)
+        learner.rl_step(batch)
+    torch.save({"policy": learner.policy.state_dict(), "critic": learner.critic.state_dict(),
+                "early": early}, out)
+
+
+def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, tmp_path, monkeypatch):
+    """Bucketed all-reduce launched mid-backward (`GradientBuckets`) against the blocking one
+    after it: two micro-batches per rank, two epochs per step, a critic, and a rank with an empty
+    batch (it launches every bucket after no backward at all), and a policy parameter without a
+    gradient (its bucket goes after the backward, still before the critic's). A bucket launched on
+    an earlier micro-batch, or out of order across ranks, changes the weights or fails."""
+    from safetensors.torch import load_file
+
+    cfg_data = _cfg(nano)
+    cfg_data["train"]["ppo_epochs"] = 2
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    ctx = mp.get_context("spawn")
+    runs = {}
+    for overlap in (True, False):
+        outs = [str(tmp_path / f"{overlap}-rank{r}.pt") for r in range(2)]
+        port = _free_port()
+        procs = [ctx.Process(target=_overlap_rank_main,
+                             args=(r, port, cfg_data, str(nano), outs[r], overlap)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+            assert p.exitcode == 0
+        runs[overlap] = [torch.load(o, weights_only=False) for o in outs]
+    # each non-empty step's last backward launched buckets itself, two epochs each
+    assert len(runs[True][0]["early"]) == 6 and len(runs[True][1]["early"]) == 4
+    assert all(n > 0 for r in runs[True] for n in r["early"])
+    reference = runs[False][0]
+    initial = load_file(str(nano / "model.safetensors"))
+    assert any(not torch.equal(t, reference["policy"][n]) for n, t in initial.items()), "nothing trained"
+    for run in runs[True] + runs[False][1:]:
+        for module in ("policy", "critic"):
+            for name, tensor in run[module].items():
+                assert torch.equal(tensor, reference[module][name]), f"{module} {name} differs"
+
+
 def test_logprobs_at_response_positions_match_the_full_forward(nano):
     """The chunked LM-head pass equals log_softmax over full logits, temperature and entropy too."""
     from trainer import learner as L
