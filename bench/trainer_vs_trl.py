@@ -37,6 +37,7 @@ import docs_section  # noqa: E402 (bench/docs_section.py, beside this script)
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / ".yatt" / "models" / "bench-small"
 PROMPTS, N, LR, KL = 4, 8, 1e-4, 0.04
+MICRO_BATCH_TOKENS = 1024
 SECTION = "trainer_vs_trl"
 
 
@@ -46,8 +47,10 @@ def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False) -> d
         "model": {"path": str(MODEL), "preset": "small"},
         "data": {"task": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+"]}},
         "algorithm": {"name": "grpo", "kl_coef": KL},
+        # micro-batches of at most 1024 padded tokens, rows sorted by length: a chunk of short
+        # responses is not padded to the batch's longest (about 4 chunks per rank at 256 tokens)
         "train": {"max_steps": steps, "lr": LR, "batch_size": PROMPTS, "micro_batch_size": 64,
-                  "compile": compiled},
+                  "micro_batch_tokens": MICRO_BATCH_TOKENS, "compile": compiled},
         "rollout": {"engine": "vllm", "n": N, "max_new_tokens": tokens, "temperature": 1.0,
                     "compile": compiled},
         "placement": {"mode": mode, "devices": 2, "device_type": "cpu"},
@@ -165,7 +168,7 @@ def case_limit(tokens: int) -> dict:
 
     from trainer.config import parse_config
     from trainer.data import load_task
-    from trainer.learner import Learner
+    from trainer.learner import Learner, micro_batches
     from trainer.precision import sampler_dtype
     from trainer.rollout.vllm_engine import VLLMEngine
 
@@ -187,6 +190,8 @@ def case_limit(tokens: int) -> dict:
     ids, attn, index, mask = learner._layout([s.prompt_ids for s in samples],
                                              [s.response_ids or [learner.eos_id] for s in samples])
     assert learner.reference is not None
+    # the same micro-batches yatt trains on (rows sorted by length, each cut to its longest)
+    chunks = micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens)
     precisions = {"fp32": contextlib.nullcontext}
     if learner.autocast_dtype is not None:
         precisions["bf16"] = learner.autocast
@@ -195,13 +200,15 @@ def case_limit(tokens: int) -> dict:
         """One reference pass and one training pass over the step's samples: their seconds."""
         t = time.perf_counter()
         with torch.no_grad(), precision():
-            learner._logprobs(learner.reference, ids, attn, index)
+            for c in chunks:
+                learner._chunk_logprobs(learner.reference, ids, attn, index, mask, c)
         ref = time.perf_counter() - t
         t = time.perf_counter()
         learner.optimizer.zero_grad(set_to_none=True)
-        with precision():
-            lp, _ = learner._logprobs(learner.policy, ids, attn, index)
-        (-(lp * mask).sum() / mask.sum()).backward()
+        for c in chunks:
+            with precision():
+                lp, _ = learner._chunk_logprobs(learner.policy, ids, attn, index, mask, c)
+            (-(lp * mask[c]).sum() / mask.sum()).backward()
         torch.nn.utils.clip_grad_norm_(learner.policy.parameters(), 1.0)
         learner.optimizer.step()
         return ref, time.perf_counter() - t

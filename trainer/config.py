@@ -116,6 +116,12 @@ class TrainConfig(_Group):
     warmup_steps: int = Field(0, ge=0)
     batch_size: int = Field(16, ge=1, description="Prompts per step, across all controllers.")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward chunk.")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Also cap a chunk's padded tokens (rows × its longest row), as "
+        "verl's `ppo_max_token_len_per_gpu`: the rows are sorted by length, so a chunk of short "
+        "responses is not padded to the longest of the batch. None: rows only.",
+        examples=[2048],
+    )
     ppo_epochs: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)

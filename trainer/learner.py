@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from trainer.algorithms import core as A
 from trainer.config import TrainerConfig
@@ -269,6 +270,39 @@ class ResponseLogprobs(nn.Module):
             if entropy:
                 ents.append(ent_of(logits, lse))
         return torch.cat(lps, dim=1), (torch.cat(ents, dim=1) if entropy else None)
+
+
+def micro_batches(lengths: Tensor, max_rows: int, max_tokens: int | None = None) -> list[Tensor]:
+    """The rows of a batch (their sequence lengths) as micro-batches: row indices, longest rows
+    first, each micro-batch at most `max_rows` rows and, when `max_tokens` is set, at most that
+    many padded tokens (rows × its longest row; a row longer than that goes alone). Sorted by
+    length, a micro-batch of short responses is padded to its own longest, not the batch's."""
+    order = torch.argsort(lengths.cpu(), descending=True, stable=True).tolist()
+    sizes = lengths.cpu().tolist()
+    out: list[list[int]] = []
+    for i in order:
+        cur = out[-1] if out else None
+        if (cur is None or len(cur) >= max_rows
+                or (max_tokens is not None and (len(cur) + 1) * sizes[cur[0]] > max_tokens)):
+            out.append([i])
+        else:
+            cur.append(i)
+    return [torch.tensor(c, dtype=torch.long, device=lengths.device) for c in out]
+
+
+def in_row_order(chunks: list[Tensor], parts: list[Tensor]) -> Tensor:
+    """Per-chunk results (rows in `chunks` order) back in the batch's row order."""
+    rows = torch.cat(chunks)
+    return torch.cat(parts)[torch.argsort(rows)]
+
+
+def _trimmed(ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor, rows: Tensor
+             ) -> tuple[tuple[Tensor, Tensor, Tensor], int]:
+    """The rows' inputs cut to their longest sequence and response, and the response columns cut."""
+    c_attn = attn[rows]
+    length = int(c_attn.sum(dim=1).max())
+    t_len = max(int(mask[rows].sum(dim=1).max()), min(1, index.shape[1]))
+    return (ids[rows][:, :length], c_attn[:, :length], index[rows][:, :t_len]), index.shape[1] - t_len
 
 
 def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -575,6 +609,19 @@ class Learner:
         assert self.critic is not None
         return self.critic(ids, attn)[:, :-1].float().gather(1, index)
 
+    def _chunk_logprobs(self, model: nn.Module, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor,
+                        rows: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """`_logprobs` of the batch rows `rows`, cut to their own longest sequence and response
+        (right padding: nothing a kept token attends to is cut), padded back to the batch's
+        ``[len(rows), T]`` with zeros where the mask is zero."""
+        (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows)
+        lp, ent = self._logprobs(model, c_ids, c_attn, c_index, **kwargs)
+        return F.pad(lp, (0, pad)), (F.pad(ent, (0, pad)) if ent is not None else None)
+
+    def _chunk_values(self, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
+        (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows)
+        return F.pad(self._values(c_ids, c_attn, c_index), (0, pad))
+
     def _idle_passes(self, count: int, *, train: bool = False, policy_old: bool = False,
                      reference: bool = False, critic: bool = False, temperature: float = 1.0) -> None:
         """Run ``count`` passes on a one-token, masked-out micro-batch (sharded learner only).
@@ -680,21 +727,23 @@ class Learner:
         rows = len(batch)
         returns: Tensor | None = None
         adv_tok: Tensor | None = None
-        mb = cfg.train.micro_batch_size
-        n_chunks = -(-rows // mb)
+        chunks: list[Tensor] = []
+        if rows:
+            ids, attn, index, mask = self._layout(batch.prompt_ids, batch.response_ids)
+            chunks = micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size,
+                                   cfg.train.micro_batch_tokens)
+        n_chunks = len(chunks)
         # sharded: every rank runs as many micro-batches as the rank with the most (collectives)
         passes = self.all_reduce_max(n_chunks) if self.sharded else n_chunks
         idle = passes - n_chunks
         kl_old = algo.kl_in_reward and self.reference is not None
         if rows:
-            ids, attn, index, mask = self._layout(batch.prompt_ids, batch.response_ids)
             scores = torch.tensor(batch.scores, dtype=torch.float32, device=self.device)
             if algo.overlong_penalty > 0:
                 lengths = mask.sum(dim=1)
                 buffer = max(1, cfg.rollout.max_new_tokens // 4)
                 scores = scores + algo.overlong_penalty * A.overlong_penalty(
                     lengths, cfg.rollout.max_new_tokens, buffer).to(scores.device)
-            chunks = [slice(i, min(i + mb, rows)) for i in range(0, rows, mb)]
             behaviour, has_behaviour = self._behaviour_logprobs(batch, mask)
 
             ref_span = recorder.span("reference") if recorder is not None else contextlib.nullcontext()
@@ -703,20 +752,21 @@ class Learner:
                 if kl_old:
                     # the KL shapes the reward, so the policy's log-probs are needed up front
                     self.policy.eval()
-                    old_lp = torch.cat([self._logprobs(self.policy, ids[c], attn[c], index[c],
-                                                       temperature=temp)[0] for c in chunks])
+                    old_lp = in_row_order(chunks, [self._chunk_logprobs(
+                        self.policy, ids, attn, index, mask, c, temperature=temp)[0] for c in chunks])
                     self._idle_passes(idle, policy_old=True, temperature=temp)
                     self.policy.train()
                 ref_lp = kl_r = None
                 if self.reference is not None:
-                    ref_lp = torch.cat([self._logprobs(self.reference, ids[c], attn[c], index[c],
-                                                       temperature=temp)[0] for c in chunks])
+                    ref_lp = in_row_order(chunks, [self._chunk_logprobs(
+                        self.reference, ids, attn, index, mask, c, temperature=temp)[0] for c in chunks])
                     self._idle_passes(idle, reference=True, temperature=temp)
                     if old_lp is not None:
                         kl_r = A.kl_penalty(old_lp, ref_lp, algo.kl_estimator) * mask
                 values = None
                 if self.critic is not None:
-                    values = torch.cat([self._values(ids[c], attn[c], index[c]) for c in chunks]) * mask
+                    values = in_row_order(chunks, [self._chunk_values(ids, attn, index, mask, c)
+                                                   for c in chunks]) * mask
                     self._idle_passes(idle, critic=True)
 
                 if algo.name in ("grpo", "rloo"):
@@ -781,10 +831,10 @@ class Learner:
                     w = float(m.sum()) / max(g_tokens, 1.0) * world
                     mw = float(m.sum()) / max(float(mask.sum()), 1.0)
                 else:
-                    w = (c.stop - c.start) / max(g_rows, 1.0) * world
-                    mw = (c.stop - c.start) / rows
+                    w = len(c) / max(g_rows, 1.0) * world
+                    mw = len(c) / rows
                 with self.autocast():
-                    lp, ent = self._logprobs(self.policy, ids[c], attn[c], index[c], entropy=True,
+                    lp, ent = self._chunk_logprobs(self.policy, ids, attn, index, mask, c, entropy=True,
                                              entropy_grad=want_entropy_grad, temperature=temp)
                 assert ent is not None
                 if epoch == 0:
@@ -824,7 +874,7 @@ class Learner:
                 if self.critic is not None:
                     assert values is not None and returns is not None
                     with self.autocast():
-                        v = self._values(ids[c], attn[c], index[c])
+                        v = self._chunk_values(ids, attn, index, mask, c)
                     vl, _ = A.value_loss(v, values[c], returns[c], m)
                     (vl * w).backward()
                     sums["loss/value"] += mw * float(vl.detach())

@@ -270,6 +270,50 @@ def test_compiled_blocks_train_like_eager_ones(nano):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
+def test_micro_batches_sort_rows_by_length_and_cap_rows_and_padded_tokens():
+    from trainer.learner import in_row_order, micro_batches
+
+    lengths = torch.tensor([5, 40, 12, 40, 7, 100, 3, 12])
+    chunks = micro_batches(lengths, max_rows=3, max_tokens=90)
+    rows = torch.cat(chunks).tolist()
+    assert sorted(rows) == list(range(8))  # every row once
+    assert [lengths[i].item() for i in rows] == sorted(lengths.tolist(), reverse=True)
+    for c in chunks:  # rows × the chunk's longest within the cap, unless a row alone exceeds it
+        assert len(c) <= 3 and (len(c) * int(lengths[c].max()) <= 90 or len(c) == 1)
+    assert [len(c) for c in chunks] == [1, 2, 3, 2]  # 100 | 40 40 | 12 12 7 | 5 3
+    assert len(micro_batches(lengths, max_rows=64)) == 1  # no token cap: rows only
+    # results computed chunk by chunk come back in the batch's row order
+    per_chunk = [lengths[c].float().unsqueeze(1) * 10 for c in chunks]
+    assert in_row_order(chunks, per_chunk).squeeze(1).tolist() == (lengths * 10).float().tolist()
+
+
+def test_trimmed_micro_batches_train_like_one_padded_batch(nano):
+    """`train.micro_batch_tokens`: sorted, trimmed micro-batches (PPO: policy, reference and
+    critic) give the losses, values and weights of the whole batch padded to its longest row."""
+    from trainer import learner as L
+
+    runs = {}
+    for tokens in (None, 24):
+        torch.manual_seed(0)
+        cfg = _cfg(nano)
+        cfg["train"].update({"micro_batch_size": 64, "micro_batch_tokens": tokens})
+        learner = L.Learner(parse_config(cfg), nano)
+        batch = _batch(learner, 0, 0, rows=8)
+        ids, attn, *_ = learner._layout(batch.prompt_ids, batch.response_ids)
+        chunks = L.micro_batches(attn.sum(dim=1), 64, tokens)
+        assert len(chunks) == (1 if tokens is None else 3)
+        before = [p.detach().clone() for p in learner.policy.parameters()]
+        metrics = [learner.rl_step(_batch(learner, 0, step, rows=8)) for step in range(2)]
+        runs[tokens] = (metrics, [p.detach().clone() for p in learner.policy.parameters()],
+                        [p.detach().clone() for p in learner.critic.parameters()])
+        assert any(not torch.equal(a, b) for a, b in zip(before, runs[tokens][1], strict=True))
+    one, trimmed = runs[None], runs[24]
+    for key in ("loss/total", "loss/value", "kl/mean", "critic/value_mean", "grad_norm"):
+        assert [m[key] for m in trimmed[0]] == pytest.approx([m[key] for m in one[0]], rel=1e-4, abs=1e-6)
+    for a, b in zip(trimmed[1] + trimmed[2], one[1] + one[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def _controller_run(cfg_data: dict, run_dir: Path, model_dir: Path, max_steps: int) -> dict:
     """One rank's controller loop in this process (world of one, HF sampler): step → metrics."""
     import copy
