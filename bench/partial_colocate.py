@@ -5,8 +5,9 @@ scoring per step, measured side by side in one command, and the cost model's pre
 
 Builds the reward preset once (`.yatt/models/arith-reward`, `yatt make-tiny-model --preset
 reward`) and the micro policy, then trains the same config (2 devices, vLLM rollouts, 16 prompts
-× 8 samples of up to 32 tokens, `reward.kind: model`, no warm start so response lengths spread
-out) once with `placement.mode=colocate` and once with `=partial_colocate` (1 scoring device),
+× 8 samples of up to 128 tokens, `reward.kind: model`, no warm start and no dynamic sampling: the
+same work in both modes, and the random policy's end-of-sequence at 1/258 a token spreads the
+lengths: about 60% run to the cap, the rest end anywhere before it) once with `placement.mode=colocate` and once with `=partial_colocate` (1 scoring device),
 one after the other, each in its own `yatt train` process. Per mode it prints the mean over the
 steps after the first two (warm-up) of `time/rollout_scored` (generation start to the last score
 in: rollout + reward in colocate, where scoring follows generation), `time/rollout`,
@@ -86,7 +87,7 @@ def main() -> None:
     rm = _ensure_reward_model(rm_path, args.reward_budget_s)
     sets = [f"train.max_steps={args.steps}", "algorithm.warm_start.steps=0",
             "algorithm.warm_start.target_accuracy=null",
-            "rollout.max_new_tokens=32", "reward.kind=model", f"reward.model_path={rm_path}",
+            "rollout.max_new_tokens=128", "sampling.dynamic=false", "reward.kind=model", f"reward.model_path={rm_path}",
             "placement.reward_devices=1", "checkpoint.every_steps=1000", "eval.size=16", *args.sets]
     runs = {}
     for mode in MODES:
