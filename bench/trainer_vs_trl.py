@@ -8,7 +8,7 @@ tokens ("short") and 256 ("generation-heavy"). Cases, each in its own process, o
 other in this one run: yatt colocate and disaggregated on 2 devices (`yatt train`, its default
 precision), yatt colocate with its opt-in compilation (`train.compile`, `rollout.compile`; the
 compile time lands in its first step, shown beside the medians), TRL GRPOTrainer default (HF generate, fp32), on one thread, with its own CPU mixed
-precision (`bf16=True`), and TRL's vLLM colocate mode (recorded if it fails), and the limit: each
+precision (`bf16=True`; skipped on a CPU that would only emulate bf16), and TRL's vLLM colocate mode (recorded if it fails), and the limit: each
 phase alone at its best on all cores (vLLM generating the step's samples; the reference pass; one
 training pass), at the precision yatt runs (fp32 figures beside them), whose sum bounds a
 colocated step and whose max a disaggregated one. Prints samples/s, generated tokens/s, median
@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 
 import docs_section  # noqa: E402 (bench/docs_section.py, beside this script)
+from trainer.precision import cpu_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / ".yatt" / "models" / "bench-small"
@@ -325,10 +326,12 @@ def main() -> None:
              "(shared machine: compare within one run only).", "",
              "Command: `PYTHONPATH=. .venv/bin/python bench/trainer_vs_trl.py`", ""]
     if a.report_from:
-        lines[0] = "Re-rendered from saved case results (`--report-from`); " + lines[0]
+        lines[0] = (f"Re-rendered {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from saved case results "
+                    "(`--report-from`); when and how the cases ran is in the note below.")
     if a.note:
         lines += [a.note, ""]
     ratio = None
+    native_bf16 = cpu_native_bf16()
     tmp = a.report_from or Path(tempfile.mkdtemp(prefix="vs-trl-"))
     print(f"case results in {tmp}", flush=True)
     for tokens in [int(t) for t in a.workloads.split(",")]:
@@ -342,6 +345,11 @@ def main() -> None:
             out = tmp / f"{case}-{tokens}.json"
             if a.report_from:
                 res = json.loads(out.read_text()) if out.exists() else {"error": "not run"}
+            elif case == "trl-bf16" and not native_bf16:
+                # emulated bf16 is many times slower than fp32 (36.7 s/step against TRL fp32's
+                # 2.9 s on the short workload of an AVX2-only EPYC, 2026-12-01): not a setting anyone would pick
+                res = {"error": "skipped: this CPU has no native bf16 (no AVX512-BF16 or AMX), TRL's bf16 would be emulated"}
+                out.write_text(json.dumps(res))
             else:
                 res = run_child(case, tokens, steps, out, a.timeout)
                 if "error" in res:  # keep the failure for a re-rendered report
