@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 
 import docs_section  # noqa: E402 (bench/docs_section.py, beside this script)
+
 from trainer.precision import cpu_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
