@@ -224,18 +224,21 @@ def test_hf_engine_same_interface_and_greedy_as_vllm(built):
 
 
 def test_bf16_sampler_loads_the_trainers_fp32_weights_and_stays_close_to_them(built):
-    """`rollout.dtype: auto` on a CPU with native bf16 (this machine: AMX) samples in bf16 from the
-    trainer's fp32 weights: its log-probs are near the fp32 model's (the mismatch TIS corrects),
-    and a weight update in fp32 reaches it (the trained model answers in digits). Last in this
+    """`rollout.dtype: auto` on a CPU with native bf16 (AMX, AVX512-BF16) samples in bf16 from the
+    trainer's fp32 weights, and keeps fp32 on one without (AVX2 only), where the same bf16 engine is
+    asked for by name (emulated: slower, same numbers): its log-probs are near the fp32 model's
+    (the mismatch TIS corrects), and a weight update in fp32 reaches it (the trained model answers
+    in digits). Last in this
     file: with a second vLLM engine alive in the process, the first one's later weight reload
     no longer matched HF greedy (seen when this test ran before that one)."""
     from trainer.learner import native_bf16
     from trainer.precision import sampler_dtype
 
     cfg, model_dir, tok, base, trained = built
-    bf16 = _cfg(model_dir, dtype="auto")
-    if not native_bf16(torch.device("cpu")):
-        pytest.skip("this CPU has no native bf16: auto keeps fp32")
+    auto = _cfg(model_dir, dtype="auto")
+    native = native_bf16(torch.device("cpu"))
+    assert sampler_dtype(auto, "cpu") == ("bfloat16" if native else "float32")
+    bf16 = auto if native else _cfg(model_dir, dtype="bfloat16")
     assert sampler_dtype(bf16, "cpu") == "bfloat16"
     engine = make_engine(bf16, model_dir, threads=1, seed=0)
     try:
