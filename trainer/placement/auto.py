@@ -231,18 +231,15 @@ def _work(obs: list[StepObservation]) -> dict[str, float]:
     return {k: _mean([o.get(k) for o in obs]) for k in WORK_KEYS}
 
 
-def _work_change(before: dict[str, float], after: dict[str, float]) -> float:
-    """The largest relative change of any driver of the work per step."""
-    return max((abs(after[k] - v) / v for k, v in before.items() if v > 0 and k in after), default=0.0)
-
-
-def _work_driver(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """The driver of the work that changed the most: its name and its value before and after."""
+def _work_change(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The largest relative change of any driver of the work per step (`work_change`), and which
+    driver it was, with its value before and after."""
     changed = [(abs(after[k] - v) / v, k) for k, v in before.items() if v > 0 and k in after]
     if not changed:
-        return {}
-    _, key = max(changed)
-    return {"work_driver": key, "work_before": round(before[key], 2), "work_after": round(after[key], 2)}
+        return {"work_change": 0.0}
+    change, key = max(changed)
+    return {"work_change": change, "work_driver": key, "work_before": round(before[key], 2),
+            "work_after": round(after[key], 2)}
 
 
 def _trigger_text(drift: float, cause: dict[str, Any], threshold: float) -> str:
@@ -438,8 +435,8 @@ class AutoPlanner:
         drift = _gap(measured, self.anchor)
         # why: did the work per step change, or the time the same work takes (load, a slower
         # device)? The model as fitted at the last decision, on the work done now, tells them apart.
-        work = _work(recent)
-        cause: dict[str, Any] = {"work_change": _work_change(self.anchor_work, work)}
+        work_change = _work_change(self.anchor_work, _work(recent))
+        cause: dict[str, Any] = {"work_change": work_change["work_change"]}
         if self.params is not None:
             cause["model_error"] = _gap(measured, self._predict(self.params, recent, self.layout))
         self.checks.append({"step": step, "drift": drift, **cause})
@@ -450,7 +447,7 @@ class AutoPlanner:
         # even when this plan's time per unit of work holds (a growing dynamic-sampling ratio
         # generates more per step while training stays fixed)
         cause["trigger"] = "drift" if drift > self.drift_threshold else "work"
-        cause.update(_work_driver(self.anchor_work, work))
+        cause.update(work_change)
         if cause.get("model_error", math.inf) <= self.drift_threshold:
             # the work changed and the model predicts this plan on it: compare the plans on it
             recent = recent[-max(4, self.replan_every // 2):]
