@@ -146,7 +146,7 @@ def main() -> None:
     print("== training pass: one rank's rl_step, 16 rows, responses 1-256 tokens, 1 thread", flush=True)
     caps = a.caps.split(",")
     rows = ["| `train.micro_batch_tokens` | one rank alone (median s) | vs " + caps[0]
-            + " | two ranks at once, one core each (median s, slower) | at once / alone |",
+            + " | two ranks at once, one core each (the slower rank's median s) | at once / alone |",
             "|---|---:|---:|---:|---:|"]
     base = None
     for cap in caps:
@@ -162,8 +162,8 @@ def main() -> None:
     lines += ["### Training pass: micro-batch token caps", "", *rows, "",
               f"Unpadded tokens are {res['padded_rows']:.0%} of the batch padded to its longest row. "
               "The last column is what the other controller's pass costs this one: the two cores "
-              "share their last-level cache and memory, so a cap whose micro-batches fit one core's "
-              "caches loses less to the neighbour.", ""]
+              "share the last-level cache and memory bandwidth, which a cap whose micro-batches fit "
+              "one core's own caches would lean on less (a likely reason, not measured directly).", ""]
 
     print("== generation: an engine per core at once against one engine on all cores", flush=True)
     procs = [_spawn(["--child", "generate", "--samples", str(ROWS), "--threads", "1", "--steps", str(a.steps)],
