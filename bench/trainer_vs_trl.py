@@ -414,6 +414,14 @@ def main() -> None:
             fastest = max((c for c in sums if c.startswith("trl")), key=lambda c: sums[c]["samples_s"])
             rows += ["", f"yatt best / fastest TRL setting that ran ({fastest}) (samples/s): "
                      f"**{r:.2f}×** (goal ≥ {goal:.1f}×: {verdict})"]
+            if "generation" in lim:
+                # what the goal needs of this machine: a colocated step exactly at the limit's sum
+                ceiling = sums[fastest]["median_step"] / (lim["generation"] + lim["reference"] + lim["train"])
+                rows.append(f"- ceiling on this machine: a colocated yatt step exactly at the limit's sum "
+                            f"would be {ceiling:.2f}× {fastest}; "
+                            + ("the goal is within the limit's reach" if ceiling >= goal else
+                               f"the goal needs phases {goal / ceiling:.2f}× faster than the limit measures "
+                               "here, not a smaller gap to it"))
             if tokens > 64:
                 ratio = r
         png = ROOT / "docs" / f"trainer_vs_trl_{tokens}.png"
