@@ -436,10 +436,11 @@ def main() -> None:
         if not a.no_docs:  # after each workload, so a cut-short run still leaves its figures
             write_section("## yatt vs TRL GRPOTrainer (issue 8)\n\n" + "\n".join(lines))
     end_load = os.getloadavg()
-    lines.append(f"Load average at the end: {end_load[0]:.1f} / {end_load[1]:.1f} / {end_load[2]:.1f}.")
-    if not a.no_docs:
-        write_section("## yatt vs TRL GRPOTrainer (issue 8)\n\n" + "\n".join(lines))
-    print(f"load average at the end: {end_load[0]:.1f}")
+    if not a.report_from:  # a re-render's load says nothing about the run (its note does)
+        lines.append(f"Load average at the end: {end_load[0]:.1f} / {end_load[1]:.1f} / {end_load[2]:.1f}.")
+        if not a.no_docs:
+            write_section("## yatt vs TRL GRPOTrainer (issue 8)\n\n" + "\n".join(lines))
+        print(f"load average at the end: {end_load[0]:.1f}")
     print(f"ratio: {ratio:.2f}" if ratio is not None else "ratio: n/a")
 
 
