@@ -7,7 +7,8 @@ prompts, 4 prompts x 8 samples per step, lr 1e-4, KL 0.04, no warm start; two wo
 tokens ("short") and 256 ("generation-heavy"). Cases, each in its own process, one after the
 other in this one run: yatt colocate and disaggregated on 2 devices (`yatt train`, its default
 precision), yatt colocate with its opt-in compilation (`train.compile`, `rollout.compile`; the
-compile time lands in its first step, shown beside the medians), TRL GRPOTrainer default (HF generate, fp32), on one thread, with its own CPU mixed
+compile time lands in its first step, shown beside the medians), yatt colocate with
+`train.balance_ranks: false` (each rank trains its own groups: the A/B of dealing them by tokens), TRL GRPOTrainer default (HF generate, fp32), on one thread, with its own CPU mixed
 precision (`bf16=True`; skipped on a CPU that would only emulate bf16), and TRL's vLLM colocate mode (recorded if it fails), and the limit: each
 phase alone at its best on all cores (vLLM generating the step's samples; the reference pass; one
 training pass), at the precision yatt runs (fp32 figures beside them), whose sum bounds a
@@ -43,8 +44,9 @@ MICRO_BATCH_TOKENS = 1024
 SECTION = "trainer_vs_trl"
 
 
-def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False) -> dict:
-    """``compiled``: `train.compile` and `rollout.compile` (opt-in: faster steps for a slower start)."""
+def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, balance: bool = True) -> dict:
+    """``compiled``: `train.compile` and `rollout.compile` (opt-in: faster steps for a slower start);
+    ``balance``: `train.balance_ranks` (the default: groups dealt across ranks by tokens)."""
     return {
         "model": {"path": str(MODEL), "preset": "small"},
         "data": {"task": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+"]}},
@@ -52,7 +54,8 @@ def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False) -> d
         # micro-batches of at most 1024 padded tokens, rows sorted by length: a chunk of short
         # responses is not padded to the batch's longest (about 4 chunks per rank at 256 tokens)
         "train": {"max_steps": steps, "lr": LR, "batch_size": PROMPTS, "micro_batch_size": 64,
-                  "micro_batch_tokens": MICRO_BATCH_TOKENS, "compile": compiled},
+                  "micro_batch_tokens": MICRO_BATCH_TOKENS, "compile": compiled,
+                  "balance_ranks": balance},
         "rollout": {"engine": "vllm", "n": N, "max_new_tokens": tokens, "temperature": 1.0,
                     "compile": compiled},
         "placement": {"mode": mode, "devices": 2, "device_type": "cpu"},
@@ -67,11 +70,12 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     import yaml
 
     compiled = mode.endswith("-compiled")
-    mode = mode.removesuffix("-compiled")
+    balance = not mode.endswith("-unbalanced")  # the A/B of train.balance_ranks, in the same run
+    mode = mode.removesuffix("-compiled").removesuffix("-unbalanced")
 
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
         cfg_path = Path(tmp) / "cfg.yaml"
-        cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled)))
+        cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled, balance)))
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "backend.cli", "train", str(cfg_path), "--out", str(run_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
@@ -293,7 +297,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=None, help="steps per case (default 6)")
     ap.add_argument("--workloads", default="32,256", help="new tokens per sample, comma-separated")
-    ap.add_argument("--cases", default="yatt-colocate,yatt-colocate-compiled,yatt-disaggregated,trl,"
+    ap.add_argument("--cases", default="yatt-colocate,yatt-colocate-unbalanced,yatt-colocate-compiled,"
+                    "yatt-disaggregated,trl,"
                     "trl-1t,trl-bf16,trl-vllm,limit")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
@@ -394,7 +399,8 @@ def main() -> None:
                             f"so its step ({dis['median_step']:.2f} s) is "
                             f"{dis['median_step'] / lim['train_device_passes']:.2f}× what its training "
                             "device alone needs; the all-core max below cannot be reached with this split.")
-            for case, bound, what in (("yatt-colocate", ssum, "sum"), ("yatt-colocate-compiled", ssum, "sum"),
+            for case, bound, what in (("yatt-colocate", ssum, "sum"), ("yatt-colocate-unbalanced", ssum, "sum"),
+                                      ("yatt-colocate-compiled", ssum, "sum"),
                                       ("yatt-disaggregated", smax, "max")):
                 if case in sums:
                     rows.append(f"- {case}: median step {sums[case]['median_step']:.2f} s = "

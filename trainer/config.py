@@ -122,6 +122,10 @@ class TrainConfig(_Group):
         "responses is not padded to the longest of the batch. None: rows only.",
         examples=[2048],
     )
+    balance_ranks: bool = Field(
+        True, description="Before each update, deal whole prompt groups across the data-parallel "
+        "ranks so that each passes about as many tokens (verl's `balance_batch`): every rank waits "
+        "for the slowest at the gradient all-reduce. The global batch and its loss are unchanged.")
     ppo_epochs: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)

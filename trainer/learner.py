@@ -290,6 +290,45 @@ def micro_batches(lengths: Tensor, max_rows: int, max_tokens: int | None = None)
     return [torch.tensor(c, dtype=torch.long, device=lengths.device) for c in out]
 
 
+def deal_groups(costs: list[int], world: int) -> list[int]:
+    """The rank each group goes to: longest first, each to the rank with the least so far (ties:
+    the lower group index first, the lower rank). The same on every rank, given the same costs."""
+    loads = [0] * world
+    owner = [0] * len(costs)
+    for g in sorted(range(len(costs)), key=lambda g: (-costs[g], g)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        owner[g] = r
+        loads[r] += costs[g]
+    return owner
+
+
+def _encode_rows(batch: RLBatch) -> tuple[list[int], list[float]]:
+    """A batch's rows as flat integers (lengths, staleness, truncation, token ids) and floats
+    (score, sampler log-probs), for `Learner._balanced`'s exchange."""
+    ints: list[int] = []
+    floats: list[float] = []
+    for i in range(len(batch)):
+        lps = batch.sample_logprobs[i] if batch.sample_logprobs is not None else []
+        stale = batch.staleness[i] if batch.staleness is not None else -1
+        p, r = batch.prompt_ids[i], batch.response_ids[i]
+        ints += [len(p), len(r), len(lps), stale, int(batch.truncated[i]), *p, *r]
+        floats += [batch.scores[i], *lps]
+    return ints, floats
+
+
+def _decode_rows(ints: list[int], floats: list[float], rows: int) -> list[tuple]:
+    """`_encode_rows` back: (prompt, response, score, truncated, logprobs, staleness) per row."""
+    out, i, f = [], 0, 0
+    for _ in range(rows):
+        plen, rlen, llen, stale, trunc = ints[i: i + 5]
+        i += 5
+        p, r = ints[i: i + plen], ints[i + plen: i + plen + rlen]
+        i += plen + rlen
+        out.append((p, r, floats[f], bool(trunc), floats[f + 1: f + 1 + llen], stale))
+        f += 1 + llen
+    return out
+
+
 def in_row_order(chunks: list[Tensor], parts: list[Tensor]) -> Tensor:
     """Per-chunk results (rows in `chunks` order) back in the batch's row order."""
     rows = torch.cat(chunks)
@@ -723,6 +762,9 @@ class Learner:
         cfg, algo = self.cfg, self.cfg.algorithm
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         metrics: dict[str, float] = {}
+        if self.group is not None and self.world_size > 1 and cfg.train.balance_ranks:
+            batch, balance = self._balanced(batch)
+            metrics.update(balance)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         rows = len(batch)
         returns: Tensor | None = None
@@ -906,6 +948,57 @@ class Learner:
         metrics["lr"] = lr
         metrics["trained_tokens"] = float(mask.sum())
         return metrics
+
+    def _balanced(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
+        """This rank's share of the data-parallel batch, whole prompt groups dealt by `deal_groups`
+        so that each rank passes about as many tokens: the ranks wait for the slowest at the
+        gradient all-reduce, so one rank's long responses would hold them all.
+
+        Only which rank computes which group changes: each micro-batch's loss weight is its share
+        of the global tokens (or rows), so the averaged gradient is the same. Every rank gathers
+        every group (token ids, scores, sampler log-probs: small beside one gradient all-reduce)
+        with two all-reduces over zero-filled buffers; a rank whose rows are not whole groups of
+        ``batch.n`` leaves the batch as it is on every rank.
+        """
+        assert self.group is not None
+        world, rank, n = self.world_size, self.group.rank, batch.n
+        whole = n > 0 and len(batch) % n == 0
+        ints, floats = _encode_rows(batch) if whole else ([], [])
+        head = torch.zeros((world, 3), dtype=torch.int64)
+        head[rank] = torch.tensor([len(batch) // n if whole else -1, len(ints), len(floats)])
+        self.group.all_reduce(head)
+        if bool((head[:, 0] < 0).any()):
+            return batch, {}
+        int_at = [0, *torch.cumsum(head[:, 1], 0).tolist()]
+        float_at = [0, *torch.cumsum(head[:, 2], 0).tolist()]
+        all_ints = torch.zeros(int_at[-1], dtype=torch.int64)
+        all_floats = torch.zeros(float_at[-1], dtype=torch.float64)
+        all_ints[int_at[rank]: int_at[rank + 1]] = torch.tensor(ints, dtype=torch.int64)
+        all_floats[float_at[rank]: float_at[rank + 1]] = torch.tensor(floats, dtype=torch.float64)
+        self.group.all_reduce(all_ints)
+        self.group.all_reduce(all_floats)
+        groups: list[list[tuple]] = []  # every rank's groups, rank 0's first
+        sources: list[int] = []
+        for r in range(world):
+            rows = _decode_rows(all_ints[int_at[r]: int_at[r + 1]].tolist(),
+                                all_floats[float_at[r]: float_at[r + 1]].tolist(), int(head[r, 0]) * n)
+            groups += [rows[k: k + n] for k in range(0, len(rows), n)]
+            sources += [r] * (len(rows) // n)
+        costs = [sum(len(row[0]) + len(row[1]) for row in g) for g in groups]
+        owner = deal_groups(costs, world)
+        before, after = [0] * world, [0] * world
+        for g, cost in enumerate(costs):
+            before[sources[g]] += cost
+            after[owner[g]] += cost
+        mean = max(sum(costs) / world, 1.0)
+        mine = [row for g, rows in zip(owner, groups, strict=True) if g == rank for row in rows]
+        stale = [row[5] for row in mine]
+        out = RLBatch(prompt_ids=[row[0] for row in mine], response_ids=[row[1] for row in mine],
+                      scores=[row[2] for row in mine], n=n, truncated=[row[3] for row in mine],
+                      sample_logprobs=[row[4] for row in mine],
+                      staleness=None if all(s < 0 for s in stale) else [max(s, 0) for s in stale])
+        # the slowest rank's tokens over the mean, as the ranks came and as dealt
+        return out, {"train/rank_load_before": max(before) / mean, "train/rank_load_after": max(after) / mean}
 
     def _behaviour_logprobs(self, batch: RLBatch, mask: Tensor) -> tuple[Tensor, Tensor]:
         """The sampler's log-probs ``[B, T]`` and a row mask of the samples that carry them."""

@@ -90,6 +90,7 @@ def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_p
     from safetensors.torch import load_file
 
     cfg_data = _cfg(nano)
+    cfg_data["train"]["balance_ranks"] = False  # or rank 0's groups would fill the empty rank
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
     # spawn re-runs the parent's __main__ in each child; after Streamlit's AppTest tests in the
     # same session that is dashboard/app.py, so the ranks start from a blank main module instead
@@ -179,6 +180,7 @@ def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, t
 
     cfg_data = _cfg(nano)
     cfg_data["train"]["ppo_epochs"] = 2
+    cfg_data["train"]["balance_ranks"] = False  # rank 1's empty step stays empty
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     ctx = mp.get_context("spawn")
     runs = {}
@@ -203,6 +205,79 @@ def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, t
         for module in ("policy", "critic"):
             for name, tensor in run[module].items():
                 assert torch.equal(tensor, reference[module][name]), f"{module} {name} differs"
+
+
+def _balance_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str) -> None:
+    """Four RL steps on lopsided batches: rank 0 has 5 groups of long responses, rank 1 one group
+    of short ones, and nothing at all at step 2."""
+    from trainer.learner import DataParallelGroup, Learner, RLBatch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    group = DataParallelGroup("127.0.0.1", port, rank, 2, timeout_s=120)
+    learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
+    metrics = []
+    for step in range(4):
+        if rank == 1 and step == 2:
+            batch = RLBatch([], [], [], n=2, truncated=[])
+        else:
+            batch = _batch(learner, rank, step, rows=10 if rank == 0 else 2)
+            if rank == 0:  # long responses on rank 0: its passes would hold rank 1 up
+                batch.response_ids = [r * 3 for r in batch.response_ids]
+                batch.sample_logprobs = [lp * 3 for lp in batch.sample_logprobs]
+        metrics.append(learner.rl_step(batch))
+    torch.save({"policy": learner.policy.state_dict(), "critic": learner.critic.state_dict(),
+                "metrics": metrics}, out)
+
+
+def test_ranks_balanced_by_tokens_train_like_the_lopsided_batches(nano, tmp_path, monkeypatch):
+    """`train.balance_ranks` deals whole groups so each rank passes about as many tokens: the
+    lopsided ranks come out balanced (an empty rank gets groups too), both ranks stay identical,
+    and the update is the one the undealt batches give (same global norm, same weights up to
+    summation order)."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    ctx = mp.get_context("spawn")
+    runs = {}
+    for balance in (True, False):
+        cfg_data = _cfg(nano)
+        cfg_data["train"]["balance_ranks"] = balance
+        outs = [str(tmp_path / f"{balance}-rank{r}.pt") for r in range(2)]
+        port = _free_port()
+        procs = [ctx.Process(target=_balance_rank_main, args=(r, port, cfg_data, str(nano), outs[r]))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+            assert p.exitcode == 0
+        runs[balance] = [torch.load(o, weights_only=False) for o in outs]
+    dealt, lopsided = runs[True], runs[False]
+    for step in range(4):
+        m = dealt[0]["metrics"][step]
+        assert m["train/rank_load_before"] > 1.5 and m["train/rank_load_after"] < 1.2, m
+        for k in ("train/rank_load_before", "train/rank_load_after", "grad_norm"):
+            assert m[k] == pytest.approx(dealt[1]["metrics"][step][k])
+        assert m["grad_norm"] == pytest.approx(lopsided[0]["metrics"][step]["grad_norm"], rel=1e-4)
+    assert "train/empty_batch" not in dealt[1]["metrics"][2]  # the empty rank was dealt groups
+    assert lopsided[1]["metrics"][2]["train/empty_batch"] == 1.0
+    initial = load_file(str(nano / "model.safetensors"))
+    assert any(not torch.equal(t, dealt[0]["policy"][n]) for n, t in initial.items()), "nothing trained"
+    for module in ("policy", "critic"):
+        for name, tensor in dealt[0][module].items():
+            assert torch.equal(tensor, dealt[1][module][name]), f"{module} {name} differs between ranks"
+            torch.testing.assert_close(tensor, lopsided[0][module][name], rtol=1e-4, atol=1e-5,
+                                       msg=f"{module} {name}: dealt and lopsided batches trained apart")
+
+
+def test_groups_are_dealt_longest_first_to_the_least_loaded_rank():
+    from trainer.learner import deal_groups
+
+    # 9 to rank 0, 5 to rank 1, 4 to rank 1 (5 < 9), 4 to rank 0 (9 = 9: the lower), 1 to rank 1
+    assert deal_groups([5, 9, 1, 4, 4], 2) == [1, 0, 1, 1, 0]
+    assert deal_groups([], 3) == []
+    assert deal_groups([7, 7, 7], 3) == [0, 1, 2]
 
 
 def test_logprobs_at_response_positions_match_the_full_forward(nano):
