@@ -26,8 +26,10 @@ def _cfg(model_dir: str) -> Any:
         "model": {"path": model_dir},
         "data": {"arithmetic": {"train_size": 2000, "eval_size": 50}},
         "algorithm": {"name": "grpo", "kl_coef": 0.0},
+        # float32: greedy answers are compared with the learner's exactly, and `auto` samples in
+        # bf16 on a CPU with AVX512-BF16 or AMX, where a close argmax can fall the other way
         "rollout": {"engine": "vllm", "max_new_tokens": 6, "kv_cache_gb": 0.25, "temperature": 0.0,
-                    "weight_sync_bucket_mb": BUCKET_BYTES / 2**20},
+                    "dtype": "float32", "weight_sync_bucket_mb": BUCKET_BYTES / 2**20},
         "placement": {"device_type": "cpu"},
     })
 
