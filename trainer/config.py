@@ -182,6 +182,13 @@ class RolloutConfig(_Group):
     stop: list[str] = Field(default_factory=list)
     kv_cache_gb: float = Field(1.0, gt=0, description="vLLM KV cache (CPU: VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1)
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vLLM tensor parallelism: each rollout engine spans this many "
+        "devices, for policies larger than one device. The controllers of a group of that many "
+        "consecutive ranks run one engine together (vLLM's external launcher: every rank holds "
+        "its shard and the group samples all its ranks' prompts at once; each takes back its "
+        "own), and the trainer's weights load in place into every shard. colocate only.",
+    )
     weight_sync_bucket_mb: float = Field(
         256.0, gt=0, description="Bucket size of the weight broadcast from the training ranks to "
         "the rollout engines (one collective per bucket; each engine loads a bucket as it arrives)."
@@ -323,6 +330,22 @@ class TrainerConfig(_Group):
         if self.train.strategy == "fsdp2" and self.controller.mode != "parallel":
             raise ValueError("train.strategy=fsdp2 needs controller.mode=parallel (the "
                              "single-controller baseline keeps a whole model per rank)")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_engines_fit(self) -> TrainerConfig:
+        tp = self.rollout.tensor_parallel_size
+        if tp == 1:
+            return self
+        if self.rollout.engine != "vllm":
+            raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+        if self.placement.mode != "colocate" or self.controller.mode != "parallel":
+            raise ValueError("rollout.tensor_parallel_size > 1 is built for placement.mode=colocate "
+                             "with controller.mode=parallel (each engine's shards live in the "
+                             "controllers of its devices)")
+        if self.placement.devices % tp:
+            raise ValueError(f"rollout.tensor_parallel_size={tp} must divide placement.devices="
+                             f"{self.placement.devices}")
         return self
 
     @property

@@ -17,6 +17,7 @@ to the reward scorers on the scoring devices while its sampler still decodes the
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -305,13 +306,41 @@ class ControllerLoop:
                         f"resumed from checkpoint at step {self.state['step']}",
                         {"resume_step": self.state["step"], "path": str(resume), "rank": self.rank})
         self.engine = None
+        self.tensor_parallel = None
         if self.local_sampler:
             from trainer.rollout import make_engine
 
-            self.engine = make_engine(cfg, model_dir, threads=threads, seed=cfg.seed + 101 * self.device)
+            seed = cfg.seed + 101 * self.device
+            if cfg.rollout.tensor_parallel_size > 1:
+                self.tensor_parallel, seed = self._meet_tensor_parallel_group()
+            self.engine = make_engine(cfg, model_dir, threads=threads, seed=seed,
+                                      tensor_parallel=self.tensor_parallel)
         self.weight_sync.engine = self.engine
         if resume is not None and mine is not None:
             ckpt.set_rng_state(mine["rng"])  # last: building an engine reseeds torch
+
+    def _meet_tensor_parallel_group(self) -> tuple[Any, int]:
+        """Where this rank's tensor-parallel engine meets and the seed its whole group samples with:
+        ranks ``g*tp … g*tp+tp-1`` share engine ``g``; its first rank publishes a free address
+        (and its device, for the seed) in the data-parallel group's store."""
+        from trainer.rollout.vllm_engine import TensorParallelGroup
+
+        tp = self.cfg.rollout.tensor_parallel_size
+        assert self.group is not None  # tp > 1 divides the devices, so there are ≥ 2 ranks
+        engine, shard = divmod(self.rank, tp)
+        key = f"yatt-tp-engine-{engine}"
+        if shard == 0:
+            addr, port = free_address()
+            self.group.store.set(key, json.dumps([addr, port, self.device]))
+        addr, port, device = json.loads(self.group.store.get(key))
+        self._event("tensor_parallel", f"rank {self.rank} is shard {shard} of rollout engine {engine}",
+                    {"rank": self.rank, "engine": engine, "shard": shard, "size": tp,
+                     "device": self.device})
+        return TensorParallelGroup(shard, tp, addr, int(port)), self.cfg.seed + 101 * int(device)
+
+    def _ranks_agree_to_draw(self, wants: bool) -> bool:
+        """Whether any rank still refills (dynamic sampling): tensor-parallel engines draw together."""
+        return self.learner.all_reduce_sum([1.0 if wants else 0.0])[0] > 0
 
     # ------------------------------------------------------------------ sampling
     def _submit(self, examples: list[Any], n: int) -> _Pending:
@@ -336,7 +365,8 @@ class ControllerLoop:
         samples_by_share: list[tuple[list[Any], list[Any], int]] = []
         if pending.local and self.reward_scorers:
             groups.extend(self._generate_and_stream_to_scorers(pending.local, n))
-        elif pending.local:
+        elif pending.local or self.tensor_parallel is not None:
+            # (a tensor-parallel shard takes part in its group's generate with or without prompts)
             assert self.engine is not None
             # colocated on a GPU: the trainer's state leaves the device while the sampler generates
             swap = self.device_type == "gpu" and hasattr(self.engine, "sleep")
@@ -367,6 +397,8 @@ class ControllerLoop:
             if len(samples) != len(share) * n:
                 raise RuntimeError(f"sampler returned {len(samples)} samples for "
                                    f"{len(share)} prompts × n={n}")
+            if not share:  # a tensor-parallel shard that sampled for its peers only
+                continue
             with self.recorder.span("reward"):
                 try:
                     assert self.reward_fn is not None  # remote shares are scored here
@@ -605,7 +637,9 @@ class ControllerLoop:
                 if prefetch:
                     first = self._collect(prefetch.popleft(), n)
                     self._drawn.extend(first)
-                groups, smetrics = self.sampler.fill(need, self._draw, first=first)
+                groups, smetrics = self.sampler.fill(
+                    need, self._draw, first=first,
+                    agree=self._ranks_agree_to_draw if self.tensor_parallel is not None else None)
                 metrics.update(smetrics)
                 if overlap:  # start the next rollouts now: they run while this step trains
                     while len(prefetch) < cfg.placement.staleness and step + len(prefetch) < cfg.train.max_steps:

@@ -60,11 +60,14 @@ class DynamicSampler:
         return max(1, math.ceil(need * self.oversample_ratio)) if need > 0 else 0
 
     def fill(self, need: int, draw: Callable[[int], list[Group]],
-             first: list[Group] | None = None) -> tuple[list[Group], dict[str, float]]:
+             first: list[Group] | None = None,
+             agree: Callable[[bool], bool] | None = None) -> tuple[list[Group], dict[str, float]]:
         """Draw groups until `need` informative ones are kept or refills run out.
 
         `draw(k)` samples and scores k new prompts. `first`, when given, is a draw already made
         (a rollout prefetched while the previous step trained) and is used before drawing more.
+        `agree(wants_more)`, when given, tells whether any peer still draws: ranks that share a
+        sampler (a tensor-parallel engine) refill in lockstep, a full rank joining with draw(0).
         """
         ratio = self.oversample_ratio
         groups = first if first is not None else draw(self.request_size(need))
@@ -76,7 +79,13 @@ class DynamicSampler:
         else:
             kept = [g for g in groups if is_informative(g.rewards)]
             refills = 0
-            while len(kept) < need and refills < self.max_refills:
+            while True:
+                wants = len(kept) < need and refills < self.max_refills
+                if not (wants if agree is None else agree(wants)):
+                    break
+                if not wants:  # a peer still refills: take part in its draw with no prompts
+                    draw(0)
+                    continue
                 refills += 1
                 more = draw(max(1, math.ceil((need - len(kept)) * self.oversample_ratio)))
                 generated += len(more)

@@ -22,3 +22,19 @@ def test_config_validates_and_names_its_command(path):
     assert first.startswith("# yatt train ") or first.startswith("# yatt submit ")
     assert path.name in first
     assert cfg.train.batch_size % cfg.data_parallel_size == 0
+
+
+@pytest.mark.parametrize(("changes", "wanted"), [
+    ({"rollout": {"tensor_parallel_size": 2, "engine": "hf"}}, "needs rollout.engine=vllm"),
+    ({"rollout": {"tensor_parallel_size": 2}, "placement": {"mode": "disaggregated", "devices": 4}},
+     "placement.mode=colocate"),
+    ({"rollout": {"tensor_parallel_size": 2}, "controller": {"mode": "single"}}, "controller.mode=parallel"),
+    ({"rollout": {"tensor_parallel_size": 3}, "placement": {"devices": 4}}, "must divide placement.devices=4"),
+])
+def test_tensor_parallel_engines_that_cannot_be_placed_are_refused_naming_the_field(changes, wanted):
+    from trainer.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as err:
+        parse_config(changes)
+    assert "rollout.tensor_parallel_size" in str(err.value) and wanted in str(err.value)
+    assert parse_config({"rollout": {"tensor_parallel_size": 2}, "placement": {"devices": 4}})

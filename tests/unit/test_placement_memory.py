@@ -125,3 +125,29 @@ def test_optimizer_offload_without_fsdp2_is_refused_naming_the_field():
         parse_config({"train": {"offload_optimizer": True}})
     assert err.value.errors[0][0] == "train"
     assert "train.strategy=fsdp2" in str(err.value)
+
+
+def test_a_sampler_too_big_for_one_device_is_told_to_shard_over_tensor_parallel_engines(tmp_path):
+    import json
+
+    big = tmp_path / "big"  # 1.5B-shaped: its fp32 weights dominate a CPU device's share
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({
+        "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
+        "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151_936}))
+
+    def cfg(tp: int, memory_gb: float):
+        return parse_config({"model": {"path": str(big)}, "train": {"strategy": "fsdp2"},
+                             "rollout": {"kv_cache_gb": 0.5, "tensor_parallel_size": tp},
+                             "placement": {"devices": 4, "device_type": "cpu",
+                                           "device_memory_gb": memory_gb}})
+
+    whole, quarter = estimate_memory(cfg(1, 64)), estimate_memory(cfg(4, 64))
+    assert whole is not None and quarter is not None
+    assert quarter.parts["sampler_weights"] == pytest.approx(whole.parts["sampler_weights"] / 4)
+    between = (whole.peak_bytes + quarter.peak_bytes) / 2 / GiB
+    with pytest.raises(ConfigError) as err:
+        check_memory(cfg(1, between))
+    fix = dict(err.value.errors)["rollout.tensor_parallel_size"]
+    k = int(fix.split("=")[1].split()[0])
+    assert k in (2, 4) and check_memory(cfg(k, between)).fits

