@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -153,6 +154,17 @@ class LiveAPI:
     def client_for(self, role: str, project: str | None = None) -> YattClient:
         """A client with a new token of `role` in this (or another) project."""
         return YattClient(self.url, self.server.make_token(project or self.project, role), retries=0)
+
+
+@pytest.fixture(autouse=True)
+def _main_module_restored() -> Iterator[None]:
+    """Streamlit's AppTest runs dashboard/app.py as ``__main__`` and leaves it there; a child that
+    multiprocessing spawns re-runs the parent's main module, so after the dashboard tests every
+    spawned rank would run the dashboard and die before its target. Each test ends with the
+    main module it started with."""
+    main = sys.modules["__main__"]
+    yield
+    sys.modules["__main__"] = main
 
 
 @pytest.fixture(scope="session")

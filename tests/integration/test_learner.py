@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 import socket
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -84,7 +82,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_path, monkeypatch):
+def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_path):
     """Rank 1 has nothing to train at step 1, rank 0 at step 2: with a tight grad clip and a
     critic, any path that skips clipping or the critic step on the empty rank drifts."""
     from safetensors.torch import load_file
@@ -92,9 +90,6 @@ def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_p
     cfg_data = _cfg(nano)
     cfg_data["train"]["balance_ranks"] = False  # or rank 0's groups would fill the empty rank
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    # spawn re-runs the parent's __main__ in each child; after Streamlit's AppTest tests in the
-    # same session that is dashboard/app.py, so the ranks start from a blank main module instead
-    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, cfg_data, str(nano), outs[r],
@@ -170,7 +165,7 @@ def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
                 "early": early}, out)
 
 
-def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, tmp_path, monkeypatch):
+def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, tmp_path):
     """Bucketed all-reduce launched mid-backward (`GradientBuckets`) against the blocking one
     after it: two micro-batches per rank, two epochs per step, a critic, and a rank with an empty
     batch (it launches every bucket after no backward at all), and a policy parameter without a
@@ -181,7 +176,6 @@ def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, t
     cfg_data = _cfg(nano)
     cfg_data["train"]["ppo_epochs"] = 2
     cfg_data["train"]["balance_ranks"] = False  # rank 1's empty step stays empty
-    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     ctx = mp.get_context("spawn")
     runs = {}
     for overlap in (True, False):
@@ -230,14 +224,13 @@ def _balance_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
                 "metrics": metrics}, out)
 
 
-def test_ranks_balanced_by_tokens_train_like_the_lopsided_batches(nano, tmp_path, monkeypatch):
+def test_ranks_balanced_by_tokens_train_like_the_lopsided_batches(nano, tmp_path):
     """`train.balance_ranks` deals whole groups so each rank passes about as many tokens: the
     lopsided ranks come out balanced (an empty rank gets groups too), both ranks stay identical,
     and the update is the one the undealt batches give (same global norm, same weights up to
     summation order)."""
     from safetensors.torch import load_file
 
-    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     ctx = mp.get_context("spawn")
     runs = {}
     for balance in (True, False):

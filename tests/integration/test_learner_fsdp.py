@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import socket
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -111,9 +109,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(target, args_for_rank, monkeypatch) -> None:
-    # spawn re-runs the parent's __main__ in each child: a blank one (see test_learner.py)
-    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+def _spawn(target, args_for_rank) -> None:
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=args_for_rank(r)) for r in range(2)]
     for p in procs:
@@ -136,11 +132,7 @@ def trained(nano, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("fsdp")
     outs = [str(tmp / f"rank{r}.pt") for r in range(2)]
     ports = [_free_port() for _ in runs]  # each its own: port + k may be taken (Ray's, say)
-    mp_ = pytest.MonkeyPatch()
-    try:
-        _spawn(_rank_main, lambda r: (r, 2, ports, runs, str(nano), outs[r]), mp_)
-    finally:
-        mp_.undo()
+    _spawn(_rank_main, lambda r: (r, 2, ports, runs, str(nano), outs[r]))
     return {"rank0": torch.load(outs[0], weights_only=False),
             "rank1": torch.load(outs[1], weights_only=False)}
 
@@ -222,15 +214,15 @@ def _controller_rank(rank: int, port: int, cfg_data: dict, run_dir: str, model_d
                 if r["type"] == "metrics" and r["step"] > 0}, out)
 
 
-def _controllers(cfg_data: dict, run_dir: Path, model_dir: Path, max_steps: int, monkeypatch) -> dict:
+def _controllers(cfg_data: dict, run_dir: Path, model_dir: Path, max_steps: int) -> dict:
     outs = [str(run_dir.parent / f"{run_dir.name}-{max_steps}-rank{r}.pt") for r in range(2)]
     port = _free_port()
     _spawn(_controller_rank, lambda r: (r, port, cfg_data, str(run_dir), str(model_dir), max_steps,
-                                        outs[r]), monkeypatch)
+                                        outs[r]))
     return torch.load(outs[0], weights_only=False)
 
 
-def test_a_resumed_fsdp_run_follows_the_curve_of_one_that_never_stopped(nano, tmp_path, monkeypatch):
+def test_a_resumed_fsdp_run_follows_the_curve_of_one_that_never_stopped(nano, tmp_path):
     """Two sharded controllers (HF sampler, fixed seeds): stop after the step-2 checkpoint, resume,
     and steps 3-4 match an uninterrupted run (gathered weights, per-rank optimizer shards,
     reference, data position, RNG)."""
@@ -246,9 +238,9 @@ def test_a_resumed_fsdp_run_follows_the_curve_of_one_that_never_stopped(nano, tm
         "checkpoint": {"every_steps": 2, "export_final": True},
         "eval": {"size": 4},
     })
-    straight = _controllers(cfg_data, tmp_path / "straight", nano, 4, monkeypatch)
-    _controllers(cfg_data, tmp_path / "resumed", nano, 2, monkeypatch)
-    resumed = _controllers(cfg_data, tmp_path / "resumed", nano, 4, monkeypatch)
+    straight = _controllers(cfg_data, tmp_path / "straight", nano, 4)
+    _controllers(cfg_data, tmp_path / "resumed", nano, 2)
+    resumed = _controllers(cfg_data, tmp_path / "resumed", nano, 4)
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         a, b = straight[step], resumed[step]

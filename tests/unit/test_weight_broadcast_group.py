@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import socket
-import sys
-import types
 from typing import Any
 
 import pytest
@@ -79,10 +77,7 @@ def _as_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return buf.getvalue()
 
 
-def test_broadcast_reaches_every_receiver_bit_exact_bucket_by_bucket(monkeypatch):
-    # spawn re-runs the parent's __main__ in each child: after Streamlit's AppTest tests that is
-    # dashboard/app.py, so the children start from a blank one (as in test_learner.py)
-    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+def test_broadcast_reaches_every_receiver_bit_exact_bucket_by_bucket():
     port = _free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
