@@ -10,7 +10,8 @@ precision), yatt colocate with its opt-in compilation (`train.compile`, `rollout
 compile time lands in its first step, shown beside the medians), yatt colocate with
 `train.balance_ranks: false` (each rank trains its own groups: the A/B of dealing them by tokens), TRL GRPOTrainer default (HF generate, fp32), on one thread, with its own CPU mixed
 precision (`bf16=True`; skipped on a CPU that would only emulate bf16), and TRL's vLLM colocate mode (recorded if it fails), and the limit: each
-phase alone at its best on all cores (vLLM generating the step's samples; the reference pass; one
+phase alone at its best on all cores (vLLM generating the step's samples, as one engine on every
+core or as an engine per core at once, whichever is faster; the reference pass; one
 training pass), at the precision yatt runs (fp32 figures beside them), whose sum bounds a
 colocated step and whose max a disaggregated one. Prints samples/s, generated tokens/s, median
 step and phase split per case, writes a reward-curve PNG per workload and its section of
@@ -163,7 +164,8 @@ def case_trl(tokens: int, steps: int, vllm: bool, threads: int, bf16: bool = Fal
 
 
 def case_limit(tokens: int) -> dict:
-    """Each phase alone on all cores, at the step's size: vLLM generation, reference, training.
+    """Each phase alone on all cores, at the step's size: vLLM generation (one engine on every
+    core, or an engine per core at once, whichever is faster here), reference, training.
 
     The reference and training passes are timed at the precision yatt runs them
     (`train.mixed_precision`, resolved for this machine) and, beside it, in plain fp32.
@@ -176,21 +178,22 @@ def case_limit(tokens: int) -> dict:
     from trainer.data import load_task
     from trainer.learner import Learner, micro_batches
     from trainer.precision import sampler_dtype
-    from trainer.rollout.vllm_engine import VLLMEngine
 
     cores = os.cpu_count() or 2
     cfg = parse_config(yatt_config(tokens, 1, "colocate"))
     train, _ = load_task(cfg)
     prompts = [e.prompt for e in train[:PROMPTS]]
-    engine = VLLMEngine(MODEL, cfg, threads=cores)
-    engine.generate(prompts, N)  # warm-up
-    gen_times, samples = [], []
-    for _ in range(2):
-        t = time.perf_counter()
-        samples = engine.generate(prompts, N)
-        gen_times.append(time.perf_counter() - t)
-    engine.close()
+    # generation in both layouts, the faster one counting: one engine threaded over every core,
+    # and an engine per core at once, each with its share of the prompts (small models often
+    # generate faster that way: no thread syncs inside each tiny GEMM)
+    per_core = _generation_per_core(tokens, cores) if cores > 1 and PROMPTS % cores == 0 else None
+    gen_s, samples = _best_generation(cfg, prompts, cores)
     gen_tokens = sum(len(s.response_ids) for s in samples)
+    one_engine = {"seconds": gen_s, "tokens": gen_tokens}
+    if per_core is not None and per_core["seconds"] / per_core["tokens"] < gen_s / gen_tokens:
+        gen_s, gen_tokens, layout = per_core["seconds"], per_core["tokens"], f"an engine per core ({cores} at once)"
+    else:
+        layout = f"one engine on {cores} cores"
     torch.set_num_threads(cores)
     learner = Learner(cfg, MODEL)
     ids, attn, index, mask = learner._layout([s.prompt_ids for s in samples],
@@ -227,12 +230,65 @@ def case_limit(tokens: int) -> dict:
     # disaggregated on 2 devices: one training device, with its own cores only, trains every sample
     torch.set_num_threads(max(1, int(cfg.placement.cpus_per_device)))
     one_device = min(sum(passes(precisions[used])) for _ in range(2))
-    return {"generation": min(gen_times), "reference": min(r for r, _ in times[used]),
+    return {"generation": gen_s, "reference": min(r for r, _ in times[used]),
             "train": min(t for _, t in times[used]), "gen_tokens": gen_tokens, "precision": used,
+            "generation_layout": layout, "generation_one_engine": one_engine,
+            "generation_per_core": per_core,
             "rollout_dtype": sampler_dtype(cfg, "cpu"),
             "reference_fp32": min(r for r, _ in times["fp32"]),
             "train_fp32": min(t for _, t in times["fp32"]),
             "train_device_cores": cfg.placement.cpus_per_device, "train_device_passes": one_device}
+
+
+def _best_generation(cfg, prompts: list[str], threads: int) -> tuple[float, list]:
+    """Best of two timed generations (after a warm-up) of ``prompts`` × N by one vLLM engine."""
+    from trainer.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(MODEL, cfg, threads=threads)
+    try:
+        engine.generate(prompts, N)  # warm-up
+        best, samples = float("inf"), []
+        for _ in range(2):
+            t = time.perf_counter()
+            out = engine.generate(prompts, N)
+            elapsed = time.perf_counter() - t
+            if elapsed < best:
+                best, samples = elapsed, out
+    finally:
+        engine.close()
+    return best, samples
+
+
+def case_gen_shard(tokens: int, shard: int, shards: int) -> dict:
+    """One core's engine of the per-core layout: its share of the step's prompts, 1 thread."""
+    import torch
+
+    from trainer.config import parse_config
+    from trainer.data import load_task
+
+    torch.set_num_threads(1)
+    cfg = parse_config(yatt_config(tokens, 1, "colocate"))
+    train, _ = load_task(cfg)
+    share = PROMPTS // shards
+    seconds, samples = _best_generation(cfg, [e.prompt for e in train[shard * share:(shard + 1) * share]], 1)
+    return {"seconds": seconds, "tokens": sum(len(s.response_ids) for s in samples)}
+
+
+def _generation_per_core(tokens: int, cores: int) -> dict | None:
+    """An engine per core at once (as colocated controllers run them): the slowest one's best
+    time, and all their tokens; None if a shard failed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "TOKENIZERS_PARALLELISM": "false"}
+    with tempfile.TemporaryDirectory(prefix="gen-shard-") as tmp:
+        outs = [Path(tmp) / f"{i}.json" for i in range(cores)]
+        procs = [subprocess.Popen(["taskset", "-c", str(i), sys.executable, __file__, "--child",
+                                   f"gen-shard-{i}-{cores}", "--tokens", str(tokens), "--json", str(outs[i])],
+                                  env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for i in range(cores)]
+        if any(p.wait(timeout=900) != 0 for p in procs):
+            return None
+        shards = [json.loads(o.read_text()) for o in outs]
+    return {"seconds": max(r["seconds"] for r in shards), "tokens": sum(r["tokens"] for r in shards)}
 
 
 def run_child(case: str, tokens: int, steps: int, out: Path, timeout: float) -> dict:
@@ -266,6 +322,15 @@ def summarize(res: dict) -> dict | None:
             "samples_s": sum(s["samples"] for s in timed) / total_t,
             "gen_tok_s": sum(s["gen_tokens"] for s in timed) / total_t, "phases": phases,
             "rewards": [s["reward"] for s in steps]}
+
+
+def _layouts(lim: dict) -> str:
+    """Which generation layout the limit took, and the other one's rate beside it."""
+    one, per = lim.get("generation_one_engine"), lim.get("generation_per_core")
+    if not one or not per:
+        return ""
+    rate = {"one engine": one["tokens"] / one["seconds"], "an engine per core": per["tokens"] / per["seconds"]}
+    return (f", {lim['generation_layout']}; " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in rate.items()))
 
 
 def plot(curves: dict[str, list[float]], title: str, path: Path) -> None:
@@ -315,6 +380,9 @@ def main() -> None:
             threads = 1 if kind == "trl-1t" else (os.cpu_count() or 2)
             res = case_trl(a.tokens, a.steps, vllm=kind == "trl-vllm", threads=threads,
                            bf16=kind == "trl-bf16")
+        elif kind.startswith("gen-shard-"):
+            shard, shards = (int(x) for x in kind.removeprefix("gen-shard-").split("-"))
+            res = case_gen_shard(a.tokens, shard, shards)
         else:
             res = case_limit(a.tokens)
         a.json.write_text(json.dumps(res))
@@ -388,7 +456,8 @@ def main() -> None:
             rows += ["", f"Limit (each phase alone on all cores, at yatt's precision: generation in "
                      f"{lim.get('rollout_dtype', 'float32')}, reference and training pass in {precision}): "
                      f"generation {lim['generation']:.2f} s "
-                     f"({lim['gen_tokens'] / lim['generation']:.0f} tok/s), reference {lim['reference']:.2f} s, "
+                     f"({lim['gen_tokens'] / lim['generation']:.0f} tok/s{_layouts(lim)}), "
+                     f"reference {lim['reference']:.2f} s, "
                      f"training pass {lim['train']:.2f} s{fp32_note}; sum {ssum:.2f} s, max {smax:.2f} s.", ""]
             if "train_device_passes" in lim and "yatt-disaggregated" in sums:
                 # the all-core max assumes the training phase gets every core; this split gives it one
