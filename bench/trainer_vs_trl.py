@@ -310,18 +310,28 @@ def run_child(case: str, tokens: int, steps: int, out: Path, timeout: float) -> 
 
 
 # ----------------------------------------------------------------------------- report (parent)
-def summarize(res: dict) -> dict | None:
-    steps = res.get("steps")
-    if not steps:
+def summarize(runs: list[dict]) -> dict | None:
+    """One case's figures over its runs (``--repeat``): the timed steps of every run pooled, each
+    run's first step left out (it pays for warm-up); the first run's first step and rewards."""
+    runs = [r for r in runs if r.get("steps")]
+    if not runs:
         return None
-    timed = steps[1:] or steps  # the first step pays for warm-up
+    timed = [s for r in runs for s in (r["steps"][1:] or r["steps"])]
     med = statistics.median(s["time"] for s in timed)
     total_t = sum(s["time"] for s in timed)
     phases = {k: statistics.median(s["phases"].get(k, 0.0) for s in timed) for k in timed[0]["phases"]}
-    return {"median_step": med, "first_step": steps[0]["time"],
+    return {"median_step": med, "first_step": runs[0]["steps"][0]["time"],
             "samples_s": sum(s["samples"] for s in timed) / total_t,
             "gen_tok_s": sum(s["gen_tokens"] for s in timed) / total_t, "phases": phases,
-            "rewards": [s["reward"] for s in steps]}
+            "rewards": [s["reward"] for s in runs[0]["steps"]], "runs": len(runs)}
+
+
+def best_limit(runs: list[dict]) -> dict:
+    """The limit over its runs (``--repeat``): the run whose phases sum to the least."""
+    ok = [r for r in runs if "generation" in r]
+    if not ok:
+        return runs[0] if runs else {}
+    return min(ok, key=lambda r: r["generation"] + r["reference"] + r["train"])
 
 
 def _layouts(lim: dict) -> str:
@@ -366,6 +376,9 @@ def main() -> None:
                     "yatt-disaggregated,trl,"
                     "trl-1t,trl-bf16,trl-vllm,limit")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per case")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every case, in alternating order; a case's timed steps are pooled "
+                         "over its runs and the limit is its best run")
     ap.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     ap.add_argument("--report-from", type=Path, help="re-render the report from a run's JSON folder")
     ap.add_argument("--note", default="", help="a paragraph added to the report (how it was run)")
@@ -414,39 +427,48 @@ def main() -> None:
         steps = a.steps or 6
         name = "short" if tokens <= 64 else "generation-heavy"
         print(f"== {name}: {PROMPTS} prompts x {N} samples x {tokens} new tokens, {steps} steps", flush=True)
-        results: dict[str, dict] = {}
-        for case in cases:
-            out = tmp / f"{case}-{tokens}.json"
-            if a.report_from:
-                res = json.loads(out.read_text()) if out.exists() else {"error": "not run"}
-            elif case == "trl-bf16" and not native_bf16:
-                # emulated bf16 is many times slower than fp32 (36.7 s/step against TRL fp32's
-                # 2.9 s on the short workload of an AVX2-only EPYC, 2026-12-01): not a setting anyone would pick
-                res = {"error": "skipped: this CPU has no native bf16 (no AVX512-BF16 or AMX), TRL's bf16 would be emulated"}
-                out.write_text(json.dumps(res))
-            else:
-                res = run_child(case, tokens, steps, out, a.timeout)
-                if "error" in res:  # keep the failure for a re-rendered report
+        runs: dict[str, list[dict]] = {case: [] for case in cases}
+        for r in range(a.repeat):
+            # runs in alternating order (ABC, CBA, ...): no case always goes first or last
+            for case in cases if r % 2 == 0 else cases[::-1]:
+                out = tmp / (f"{case}-{tokens}.json" if r == 0 else f"{case}-{tokens}-r{r}.json")
+                if a.report_from:
+                    res = json.loads(out.read_text()) if out.exists() else {"error": "not run"}
+                    if r > 0 and not out.exists():
+                        continue
+                elif case == "trl-bf16" and not native_bf16:
+                    # emulated bf16 is many times slower than fp32 (36.7 s/step against TRL fp32's
+                    # 2.9 s on the short workload of an AVX2-only EPYC, 2026-12-01): not a setting anyone would pick
+                    res = {"error": "skipped: this CPU has no native bf16 (no AVX512-BF16 or AMX), TRL's bf16 would be emulated"}
                     out.write_text(json.dumps(res))
-            results[case] = res
-            print(f"   {case}: {'error: ' + res['error'] if 'error' in res else 'done'} "
-                  f"({res.get('wall_s', 0):.0f}s)", flush=True)
-        rows = [f"### {name}: {PROMPTS} prompts × {N} samples × {tokens} new tokens, {steps} steps per case", "",
+                else:
+                    res = run_child(case, tokens, steps, out, a.timeout)
+                    if "error" in res:  # keep the failure for a re-rendered report
+                        out.write_text(json.dumps(res))
+                runs[case].append(res)
+                print(f"   {case}{f' (run {r + 1})' if a.repeat > 1 else ''}: "
+                      f"{'error: ' + res['error'] if 'error' in res else 'done'} "
+                      f"({res.get('wall_s', 0):.0f}s)", flush=True)
+        results = {case: [r for r in rs if "error" not in r] or rs[:1] for case, rs in runs.items()}
+        per_case = f"{steps} steps per case" + (f", each case run {a.repeat} times in alternating order (steps "
+                                                 "pooled; the limit's best run)" if a.repeat > 1 else "")
+        rows = [f"### {name}: {PROMPTS} prompts × {N} samples × {tokens} new tokens, {per_case}", "",
                 "| case | median step | samples/s | generated tok/s | phase split (median s) | first step |",
                 "|---|---:|---:|---:|---|---:|"]
         sums: dict[str, dict] = {}
-        for case, res in results.items():
+        for case, case_runs in results.items():
             if case == "limit":
                 continue
-            s = summarize(res) if "error" not in res else None
+            s = summarize(case_runs)
             if s is None:
-                rows.append(f"| {case} | — | — | — | did not run: {res.get('error', 'no steps')} | — |")
+                err = case_runs[0].get("error", "no steps") if case_runs else "not run"
+                rows.append(f"| {case} | — | — | — | did not run: {err} | — |")
                 continue
             sums[case] = s
             split = ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items() if v > 0.005)
             rows.append(f"| {case} | {s['median_step']:.2f} s | {s['samples_s']:.2f} | {s['gen_tok_s']:.0f} | "
                         f"{split} | {s['first_step']:.1f} s |")
-        lim = results.get("limit", {})
+        lim = best_limit(results.get("limit", []))
         if "generation" in lim:
             ssum = lim["generation"] + lim["reference"] + lim["train"]
             smax = max(lim["generation"], lim["reference"] + lim["train"])
