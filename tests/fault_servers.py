@@ -22,7 +22,7 @@ import psutil
 import psycopg
 import redis
 
-from tests.stack import free_port
+from tests.stack import free_port, free_ports
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -164,10 +164,10 @@ class RayWorkerNode:
                 [ray, "start", f"--address={self.gcs_address}", "--block", "--node-ip-address=127.0.0.1",
                  f"--num-cpus={os.cpu_count() or 1}", f"--resources={json.dumps({'yatt_device': self.devices})}",
                  "--disable-usage-stats",
-                 *(f"--{flag}={free_port()}" for flag in (
+                 *(f"--{flag}={free}" for flag, free in zip((
                      "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                      "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
-                 ))],
+                 ), free_ports(6), strict=True))],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
             )
             deadline = time.monotonic() + timeout_s

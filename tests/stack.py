@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,14 @@ from typing import Any
 import httpx
 import psycopg
 
+from backend.dispatch.local_ray import free_ports
+
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 REDIS_URL = "redis://127.0.0.1:6379"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def create_pg_database(prefix: str) -> tuple[str, str]:
@@ -80,8 +79,9 @@ class Stack:
         from backend.settings import Settings
 
         settings = Settings(data_dir=self.data_dir, database_url="sqlite://")
+        port, dashboard_port = free_ports(2, exclude={self.api_port})
         self.head = start_head(
-            settings, port=free_port(), dashboard_port=free_port(), devices=devices,
+            settings, port=port, dashboard_port=dashboard_port, devices=devices,
             log_path=self.root / "ray-head.log",
         )
 

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,10 +42,26 @@ class LocalHead:
         return psutil.pid_exists(self.pid) and RayCluster(self.dashboard_url).ping()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int, exclude: Collection[int] = ()) -> list[int]:
+    """``count`` distinct ports free on 127.0.0.1 now, none of them in ``exclude``.
+
+    Every socket stays bound until all are chosen: picked one at a time, the kernel may hand out
+    the same port twice (seen: a Ray head given one port for its GCS and its dashboard).
+    """
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            sock = socket.socket()
+            held.append(sock)  # an excluded port stays held too, so it is not offered again
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if port not in exclude:
+                ports.append(port)
+        return ports
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def count_devices() -> int:
@@ -102,10 +119,10 @@ def start_head(
         "--disable-usage-stats",
         # Ray's agents otherwise take fixed ports (52365, ...): a second head on the machine
         # would find them taken and refuse jobs ("No available agent to submit job").
-        *(f"--{flag}={_free_port()}" for flag in (
+        *(f"--{flag}={free}" for flag, free in zip((
             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
             "runtime-env-agent-port", "ray-client-server-port",
-        )),
+        ), free_ports(5, exclude={port, dashboard_port}), strict=True)),
     ]
     log_file = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(

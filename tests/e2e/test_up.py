@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.integration.test_dispatch import tiny_config
-from tests.stack import free_port
+from tests.stack import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 def test_up_trains_a_run_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    ports = {"--api-port": free_port(), "--dashboard-port": free_port(),
-             "--ray-dashboard-port": free_port(), "--ray-port": free_port()}
+    ports = dict(zip(("--api-port", "--dashboard-port", "--ray-dashboard-port", "--ray-port"),
+                     free_ports(4), strict=True))
     env = {k: v for k, v in os.environ.items() if not k.startswith("YATT_")}
     env.update({"YATT_DATA_DIR": str(tmp_path / "data"), "YATT_RECONCILE_INTERVAL_S": "1",
                 "PYTHONUNBUFFERED": "1"})

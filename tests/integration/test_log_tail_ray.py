@@ -23,7 +23,7 @@ from backend.dispatch.local_ray import LocalHead, start_head, stop_head
 from backend.dispatch.ray_cluster import JobNotFound, RayCluster
 from backend.dispatch.routes import LogSnapshot, follow_log, tail_lines
 from backend.settings import Settings
-from tests.stack import free_port
+from tests.stack import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,8 @@ PRINTER = (
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
     root = tmp_path_factory.mktemp("ray")
     settings = Settings(data_dir=root, database_url="sqlite://")
-    started = start_head(settings, port=free_port(), dashboard_port=free_port(), devices=1,
+    port, dashboard_port = free_ports(2)
+    started = start_head(settings, port=port, dashboard_port=dashboard_port, devices=1,
                          log_path=root / "ray-head.log", timeout_s=300)
     try:
         yield started

@@ -66,3 +66,18 @@ def test_client_errors_carry_field_paths() -> None:
     assert err.errors == [("train.lr", "must be > 0"), ("experiment", "Field required")]
     assert _error_of(httpx.Response(409, json={"detail": "run 3 is running"})).message == "run 3 is running"
     assert _error_of(httpx.Response(502, text="bad gateway")).message == "bad gateway"
+
+
+def test_free_ports_are_distinct_bindable_and_avoid_the_excluded():
+    """Ports for a Ray head's many listeners, picked together: one at a time the kernel may offer
+    the same port twice (a head once got one port for its GCS and its dashboard)."""
+    import socket
+
+    from backend.dispatch.local_ray import free_ports
+
+    taken = free_ports(3)
+    ports = free_ports(200, exclude=taken)
+    assert len(set(ports)) == 200 and not set(ports) & set(taken)
+    for port in ports[:20]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free once handed out
