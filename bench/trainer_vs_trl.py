@@ -433,9 +433,9 @@ def main() -> None:
             for case in cases if r % 2 == 0 else cases[::-1]:
                 out = tmp / (f"{case}-{tokens}.json" if r == 0 else f"{case}-{tokens}-r{r}.json")
                 if a.report_from:
-                    res = json.loads(out.read_text()) if out.exists() else {"error": "not run"}
                     if r > 0 and not out.exists():
                         continue
+                    res = json.loads(out.read_text()) if out.exists() else {"error": "not run"}
                 elif case == "trl-bf16" and not native_bf16:
                     # emulated bf16 is many times slower than fp32 (36.7 s/step against TRL fp32's
                     # 2.9 s on the short workload of an AVX2-only EPYC, 2026-12-01): not a setting anyone would pick

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from backend.dispatch.local_ray import free_ports
 from trainer.config import parse_config
 from trainer.models import ensure_model
 
@@ -131,7 +132,7 @@ def trained(nano, tmp_path_factory) -> dict:
     }
     tmp = tmp_path_factory.mktemp("fsdp")
     outs = [str(tmp / f"rank{r}.pt") for r in range(2)]
-    ports = [_free_port() for _ in runs]  # each its own: port + k may be taken (Ray's, say)
+    ports = free_ports(len(runs))  # each its own: port + k may be taken (Ray's, say)
     _spawn(_rank_main, lambda r: (r, 2, ports, runs, str(nano), outs[r]))
     return {"rank0": torch.load(outs[0], weights_only=False),
             "rank1": torch.load(outs[1], weights_only=False)}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import faulthandler
 import queue
-import socket
 import time
 import traceback
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from backend.dispatch.local_ray import free_ports
 from tests.integration.test_models_rollout import _hf_greedy, _sft
 from trainer.algorithms import pack, response_logprobs
 from trainer.config import parse_config
@@ -62,12 +62,6 @@ def _shard(which: int, rank: int, port: int, model_dir: str, trained_path: str, 
         out.put(((which, rank), traceback.format_exc(), None))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_shards_sample_their_own_prompts_and_load_whole_weights(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,7 +81,7 @@ def test_two_shards_sample_their_own_prompts_and_load_whole_weights(tmp_path):
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = [_free_port(), _free_port()]
+    ports = free_ports(2)  # one per engine, distinct
     procs = [ctx.Process(target=_shard, args=(e, r, ports[e], str(model_dir), str(trained_path), out))
              for e in range(2) for r in range(2)]
     for p in procs:
