@@ -35,6 +35,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.config import TrainerConfig, parse_config
+from trainer.host_memory import steady_heap
 from trainer.learner import DataParallelGroup, Learner, RLBatch
 from trainer.rollout.decode_delay import apply_decode_delay
 from trainer.sampling import DynamicSampler, Group
@@ -132,6 +133,7 @@ class RolloutWorker:
     def __init__(self, cfg_json: str, device: int, model_dir: str, device_type: str, cores: float):
         from trainer.rollout import make_engine
 
+        steady_heap()
         self.cfg = parse_config(__import__("json").loads(cfg_json))
         self.device = device
         threads = max(1, int(cores))
@@ -187,6 +189,7 @@ class ControllerLoop:
                  local_sampler: bool, model_dir: str,
                  reward_scorers: list[tuple[int, Any]] | None = None, stoppable: bool = False,
                  prompt_shards: int = 0):
+        steady_heap()  # before the engine and the learner allocate
         self.cfg: TrainerConfig = parse_config(__import__("json").loads(cfg_json))
         self.rank, self.world, self.device = rank, world, device
         self.device_type, self.cores = device_type, cores

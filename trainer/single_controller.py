@@ -107,8 +107,10 @@ class TrainingRank:
         import torch
 
         from trainer.config import parse_config
+        from trainer.host_memory import steady_heap
         from trainer.telemetry import DeviceMonitor
 
+        steady_heap()
         self.cfg = parse_config(json.loads(cfg_json))
         self.rank, self.world, self.device = rank, world, device
         self.device_type, self.cores = device_type, cores
