@@ -17,8 +17,10 @@ colocated step and whose max a disaggregated one. Prints samples/s, generated to
 step and phase split per case, writes a reward-curve PNG per workload and its section of
 docs/benchmarks.md; the last line is `ratio: X` = yatt's best samples/s over the fastest TRL
 setting that ran, on the generation-heavy workload.
-Opt-in case suffix `-dynheap` (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,limit`): the same
-yatt case with `YATT_STEADY_HEAP=0`, glibc's dynamic malloc thresholds (trainer/host_memory.py).
+Opt-in case suffixes (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,yatt-colocate-tp2,limit`):
+`-dynheap`, the same yatt case with `YATT_STEADY_HEAP=0`, glibc's dynamic malloc thresholds
+(trainer/host_memory.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
+share one vLLM engine sharded over their cores instead of an engine each).
 Steps per case are few (shared CPUs): medians and samples/s skip each case's first step
 (its warm-up, and a compiled case's compile), whose time is its own column.
 """
@@ -48,9 +50,11 @@ MICRO_BATCH_TOKENS = 1024
 SECTION = "trainer_vs_trl"
 
 
-def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, balance: bool = True) -> dict:
+def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, balance: bool = True,
+                tensor_parallel: int = 1) -> dict:
     """``compiled``: `train.compile` and `rollout.compile` (opt-in: faster steps for a slower start);
-    ``balance``: `train.balance_ranks` (the default: groups dealt across ranks by tokens)."""
+    ``balance``: `train.balance_ranks` (the default: groups dealt across ranks by tokens);
+    ``tensor_parallel``: `rollout.tensor_parallel_size` (one engine sharded over that many controllers)."""
     return {
         "model": {"path": str(MODEL), "preset": "small"},
         "data": {"task": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+"]}},
@@ -61,7 +65,7 @@ def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, bala
                   "micro_batch_tokens": MICRO_BATCH_TOKENS, "compile": compiled,
                   "balance_ranks": balance},
         "rollout": {"engine": "vllm", "n": N, "max_new_tokens": tokens, "temperature": 1.0,
-                    "compile": compiled},
+                    "compile": compiled, "tensor_parallel_size": tensor_parallel},
         "placement": {"mode": mode, "devices": 2, "device_type": "cpu"},
         "checkpoint": {"every_steps": 10_000, "export_final": False},
         "eval": {"size": 8},
@@ -76,13 +80,16 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     # -dynheap: glibc's dynamic malloc thresholds, the A/B of trainer/host_memory.py's steady heap
     env = {**os.environ, "YATT_STEADY_HEAP": "0"} if mode.endswith("-dynheap") else None
     mode = mode.removesuffix("-dynheap")
+    # -tp2: the controllers share one vLLM engine sharded over their devices
+    tensor_parallel = 2 if mode.endswith("-tp2") else 1
+    mode = mode.removesuffix("-tp2")
     compiled = mode.endswith("-compiled")
     balance = not mode.endswith("-unbalanced")  # the A/B of train.balance_ranks, in the same run
     mode = mode.removesuffix("-compiled").removesuffix("-unbalanced")
 
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
         cfg_path = Path(tmp) / "cfg.yaml"
-        cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled, balance)))
+        cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled, balance, tensor_parallel)))
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "backend.cli", "train", str(cfg_path), "--out", str(run_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600, env=env)
