@@ -406,13 +406,13 @@ def main() -> None:
             threads = 1 if kind == "trl-1t" else (os.cpu_count() or 2)
             res = case_trl(a.tokens, a.steps, vllm=kind == "trl-vllm", threads=threads,
                            bf16=kind == "trl-bf16")
-        elif kind.startswith("gen-shard-"):
-            steady_heap()  # the limit's processes hold their heap as yatt's do (trainer/host_memory.py)
-            shard, shards = (int(x) for x in kind.removeprefix("gen-shard-").split("-"))
-            res = case_gen_shard(a.tokens, shard, shards)
-        else:
+        else:  # the limit's processes hold their heap as yatt's do (trainer/host_memory.py)
             steady_heap()
-            res = case_limit(a.tokens)
+            if kind.startswith("gen-shard-"):
+                shard, shards = (int(x) for x in kind.removeprefix("gen-shard-").split("-"))
+                res = case_gen_shard(a.tokens, shard, shards)
+            else:
+                res = case_limit(a.tokens)
         a.json.write_text(json.dumps(res))
         return
 

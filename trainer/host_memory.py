@@ -44,10 +44,9 @@ def steady_heap() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    user = {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ)
-    if os.environ.get("YATT_STEADY_HEAP", "1") == "0":
-        return False
-    if sys.platform != "linux" or user or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+    user = ({"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ)
+            or "malloc" in os.environ.get("GLIBC_TUNABLES", ""))
+    if os.environ.get("YATT_STEADY_HEAP", "1") == "0" or user or sys.platform != "linux":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

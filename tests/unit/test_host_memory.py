@@ -41,7 +41,6 @@ print(json.dumps({"applied": applied, "mmapped": mmapped, "arena_after_free": ar
 """
 
 
-
 def _is_glibc() -> bool:
     try:
         return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
