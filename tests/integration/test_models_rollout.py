@@ -184,6 +184,41 @@ def test_vllm_weight_update_matches_transformers_greedy(built, vllm_engine):
         vllm_engine.update_weights(base.named_parameters())
 
 
+def test_vllm_cpu_in_place_load_equals_vllms_own_reload(built, vllm_engine):
+    """The CPU engine's own in-place load (trainer/rollout/vllm_engine.py `_load_cpu_in_place`,
+    used for every update of a Qwen2 engine without tensor parallelism) leaves every parameter
+    bit for bit where vLLM's layer-wise reload does (fused q/k/v and gate/up included), and a
+    misnamed or missing tensor is an error, not a silent partial load."""
+    _, _, _, base, trained = built
+
+    def snapshot(worker):  # the worker's parameters (a packed layer's weight lives in its GEMM)
+        return {n: p.detach().clone() for n, p in worker.model_runner.get_model().named_parameters()}
+
+    def load(in_place: bool, weights) -> dict[str, torch.Tensor]:
+        vllm_engine._in_place = in_place
+        vllm_engine.update_weights(weights)
+        return vllm_engine.llm.collective_rpc(snapshot)[0]
+
+    try:
+        assert load(None, base.named_parameters()) and vllm_engine._in_place is True  # chosen on its own
+        reloaded = load(False, trained.state_dict().items())
+        load(True, base.named_parameters())
+        in_place = load(True, trained.state_dict().items())
+        assert reloaded.keys() == in_place.keys()
+        assert all(torch.equal(reloaded[n], in_place[n]) for n in reloaded), \
+            [n for n in reloaded if not torch.equal(reloaded[n], in_place[n])]
+        # the trained weights really arrived (a norm differs from the base model's)
+        norm = "model.layers.0.input_layernorm.weight"
+        assert not torch.equal(in_place[norm], load(True, base.named_parameters())[norm])
+        with pytest.raises(KeyError, match="nope"):
+            vllm_engine.update_weights([("model.layers.0.nope.weight", torch.zeros(1))])
+        with pytest.raises(ValueError, match="qkv_proj"):  # v_proj never came
+            vllm_engine.update_weights([(n, t) for n, t in base.named_parameters() if "v_proj" not in n])
+    finally:
+        vllm_engine._in_place = None
+        vllm_engine.update_weights(base.named_parameters())
+
+
 def test_vllm_sleep_is_a_documented_noop_on_cpu(vllm_engine):
     rss = psutil.Process(os.getpid()).memory_info().rss
     vllm_engine.sleep()

@@ -10,6 +10,10 @@ Facts from the installed vLLM (0.32, CPU build) this relies on:
   packed copy the CPU GEMM closure (``layer.cpu_linear``) captured at load time is not rebuilt,
   so a tied LM head keeps computing logits with the *old* embeddings (measured: greedy output
   diverged from transformers'). ``_repack_cpu_gemm_weights`` rebuilds those closures.
+  That reload re-creates every layer on the meta device and runs its loaders again, ~1.7x the
+  time of the copies and packing themselves (bench/engine_load.py); for the architectures in
+  ``IN_PLACE_ARCHITECTURES`` a one-process CPU engine loads by ``_load_cpu_in_place`` instead,
+  which leaves every parameter bit for bit where the reload does.
   After a reload the prefix cache holds KV computed with old weights, so it is reset.
 - On CPU, ``LLM.sleep`` is a no-op (``CPUWorker.sleep`` only logs): the KV cache stays
   allocated, sized up front by ``rollout.kv_cache_gb`` (``kv_cache_memory_bytes``, the setting
@@ -51,6 +55,93 @@ def _repack_cpu_gemm_weights(worker) -> int:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             repacked += 1
     return repacked
+
+
+# Architectures whose CPU in-place load (`_load_cpu_in_place`) is checked against vLLM's own reload
+# (tests/integration/test_models_rollout.py: greedy output equal to transformers' after an update).
+IN_PLACE_ARCHITECTURES = frozenset({"Qwen2ForCausalLM"})
+
+
+def _in_place_supported(worker) -> bool:
+    """Whether the worker's model can take `_load_cpu_in_place`: a listed architecture whose
+    linear layers are all unquantized (their weights packed for the CPU GEMM at load)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    model = worker.model_runner.get_model()
+    if type(model).__name__ not in IN_PLACE_ARCHITECTURES:
+        return False
+    return all(isinstance(m.quant_method, UnquantizedLinearMethod)
+               for m in model.modules() if isinstance(m, LinearBase))
+
+
+def _load_cpu_in_place(worker, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Load HF-named whole tensors into a CPU model without vLLM's layer-wise reload.
+
+    The reload (``reload_weights``) re-creates every layer's parameters on the meta device,
+    re-runs each weight loader and post-processing, and costs ~4x the copies themselves (68 ms
+    for the 17M `small` model on one core, half of it Python). Here, with one engine on one
+    process (no tensor parallelism): a fused layer (``packed_modules_mapping``: q/k/v into
+    ``qkv_proj``, gate/up into ``gate_up_proj``) gets its parts concatenated in mapping order,
+    every linear layer gets its new weight and bias and then the same
+    ``process_weights_after_loading`` the first load ran (the CPU GEMM's packing), and the other
+    parameters (norms, the embedding, whose rows past the vocabulary are padding) are copied into.
+    Returns the number of tensors loaded; raises KeyError for a name the model does not have,
+    and ValueError when a layer was left without some of its parts.
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+
+    model = worker.model_runner.get_model()
+    modules = dict(model.named_modules())
+    parts = {src: (fused, i, len(srcs)) for fused, srcs in model.packed_modules_mapping.items()
+             for i, src in enumerate(srcs)}
+    pending: dict[tuple[str, str], list[torch.Tensor | None]] = {}
+    staged: dict[str, dict[str, torch.Tensor]] = {}  # linear layer -> its new weight/bias
+    loaded = 0
+    tied_head = getattr(getattr(model, "lm_head", None), "weight", None) is getattr(
+        modules.get("model.embed_tokens"), "weight", False)
+
+    def param(path: str, kind: str) -> torch.nn.Parameter:
+        module = modules.get(path)
+        if module is None or not isinstance(getattr(module, kind, None), torch.Tensor):
+            raise KeyError(f"no parameter for {path}.{kind} in {type(model).__name__}")
+        return getattr(module, kind)
+
+    def put(path: str, kind: str, tensor: torch.Tensor) -> None:
+        module = modules[path]
+        if isinstance(module, LinearBase):
+            # in the dtype the layer holds it in now (a packed weight's empty stand-in has the
+            # model's; a bias the CPU GEMM wants in fp32 already is), as vLLM's reload does
+            staged.setdefault(path, {})[kind] = tensor.to(param(path, kind).dtype)
+            return
+        if tied_head and path == "lm_head":
+            return  # the embedding's own weight, loaded under its name
+        getattr(module, kind).data[: tensor.shape[0]].copy_(tensor)
+
+    for name, tensor in weights_iterator:
+        loaded += 1
+        path, _, kind = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        if leaf not in parts:
+            param(path, kind)
+            put(path, kind, tensor)
+            continue
+        fused, i, k = parts[leaf]
+        target = f"{parent}.{fused}"
+        slots = pending.setdefault((target, kind), [None] * k)
+        slots[i] = tensor.to(param(target, kind).dtype)
+        if all(t is not None for t in slots):
+            put(target, kind, torch.cat(slots))  # type: ignore[arg-type]
+            del pending[(target, kind)]
+    if pending:
+        raise ValueError(f"incomplete fused layers: {sorted(f'{p}.{k}' for p, k in pending)}")
+    for path, new in staged.items():
+        module = modules[path]
+        if "weight" not in new:
+            raise ValueError(f"{path}: a bias without its weight")
+        for kind, tensor in new.items():  # the layer's own parameter objects keep their class
+            getattr(module, kind).data = tensor
+        module.quant_method.process_weights_after_loading(module)
+    return loaded
 
 
 def _sample(prompt: str, out, completion) -> Sample:  # (vllm RequestOutput, CompletionOutput)
@@ -140,6 +231,7 @@ class VLLMEngine:
         self.on_gpu = on_gpu
         self.tensor_parallel = tp
         self.sleeping = False
+        self._in_place: bool | None = None  # `_load_cpu_in_place` fits this model (first update)
 
     @property
     def sleep_supported(self) -> bool:
@@ -214,7 +306,13 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = ((name, t.detach()) for name, t in named_tensors)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self._in_place is None:
+            self._in_place = (not self.on_gpu and self.tensor_parallel is None
+                              and self.llm.collective_rpc(_in_place_supported)[0])
+        if self._in_place:
+            self.llm.collective_rpc(_load_cpu_in_place, kwargs={"weights_iterator": weights})
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.on_gpu:
             self.llm.collective_rpc(_repack_cpu_gemm_weights)
         self.llm.reset_prefix_cache()
