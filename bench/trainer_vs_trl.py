@@ -19,8 +19,7 @@ docs/benchmarks.md; the last line is `ratio: X` = yatt's best samples/s over the
 setting that ran, on the generation-heavy workload.
 Opt-in case suffixes (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,yatt-colocate-tp2,limit`):
 `-dynheap`, the same yatt case with `YATT_STEADY_HEAP=0`, glibc's dynamic malloc thresholds
-(trainer/host_memory.py); `-gloo`, with `YATT_SHM_ALLREDUCE=0`, the ranks' gradients
-averaged over gloo instead of shared memory (trainer/shm_allreduce.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
+(trainer/host_memory.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
 share one vLLM engine sharded over their cores instead of an engine each).
 Steps per case are few (shared CPUs): medians and samples/s skip each case's first step
 (its warm-up, and a compiled case's compile), whose time is its own column.
@@ -78,15 +77,9 @@ def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, bala
 def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     import yaml
 
-    env: dict[str, str] | None = None
     # -dynheap: glibc's dynamic malloc thresholds, the A/B of trainer/host_memory.py's steady heap
-    if mode.endswith("-dynheap"):
-        env = {**(env or os.environ), "YATT_STEADY_HEAP": "0"}
-        mode = mode.removesuffix("-dynheap")
-    # -gloo: the ranks' gradients over gloo, the A/B of trainer/shm_allreduce.py
-    if mode.endswith("-gloo"):
-        env = {**(env or os.environ), "YATT_SHM_ALLREDUCE": "0"}
-        mode = mode.removesuffix("-gloo")
+    env = {**os.environ, "YATT_STEADY_HEAP": "0"} if mode.endswith("-dynheap") else None
+    mode = mode.removesuffix("-dynheap")
     # -tp2: the controllers share one vLLM engine sharded over their devices
     tensor_parallel = 2 if mode.endswith("-tp2") else 1
     mode = mode.removesuffix("-tp2")

@@ -7,9 +7,8 @@ Log-probs are computed at the sampling temperature. Sequences are
 laid out as ``prompt + response`` right-padded to ``L``; per-token tensors are ``[B, L-1]`` in
 next-token order, with ``mask`` marking the response tokens. Gradients are averaged across the
 data-parallel group (``torch.distributed``) before clipping and the optimizer step, so every
-controller holds the same weights after every step. Ranks on one host (gloo) sum them through
-shared memory after the backward (trainer/shm_allreduce.py); otherwise the all-reduce runs during
-the step's last backward, bucket by bucket as DDP does (`GradientBuckets`).
+controller holds the same weights after every step; the all-reduce runs during the step's last
+backward, bucket by bucket as DDP does (`GradientBuckets`).
 
 With ``train.strategy: fsdp2`` the policy, reference and critic are sharded over the same group
 instead (``fully_shard`` block by block, then the root: `apply_fsdp`); every forward and
@@ -30,9 +29,7 @@ import contextlib
 import copy
 import functools
 import itertools
-import logging
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,13 +42,10 @@ from torch.nn import functional as F
 from trainer.algorithms import core as A
 from trainer.config import TrainerConfig
 from trainer.precision import cpu_native_bf16
-from trainer.shm_allreduce import SharedMemoryAllReduce
 
 __all__ = ["DataParallelGroup", "Learner", "RLBatch", "ResponseLogprobs", "ValueModel", "apply_fsdp",
            "lr_lambda"]
 
-
-log = logging.getLogger(__name__)
 
 _GROUP_IDS = itertools.count()  # process-group names must be unique within a process
 
@@ -79,14 +73,6 @@ class DataParallelGroup:
         self.pg, _ = c10d._new_process_group_helper(world, rank, [], backend, self.store,
                                                     group_name=name, timeout=timeout)
         c10d._world.pg_group_ranks[self.pg] = {r: r for r in range(world)}
-        # gradients of ranks on one host go through shared memory instead of gloo's TCP
-        self.shm: SharedMemoryAllReduce | None = None
-        if backend == "gloo" and world > 1 and shm_all_reduce_enabled():
-            self.shm, why_not = SharedMemoryAllReduce.open(
-                self.store, rank, world, key="yatt-shm", slot_bytes=SHM_SLOT_BYTES,
-                barrier=self.barrier)
-            if why_not:
-                log.info("gradient all-reduce over gloo: no shared memory (%s)", why_not)
 
     def all_reduce(self, t: Tensor, op: str = "sum") -> Tensor:
         """Reduce `t` over the group in place: ``op`` is "sum" or "max"."""
@@ -119,14 +105,6 @@ class DataParallelGroup:
 
 # DDP's default bucket size (bucket_cap_mb=25): the gradients launched together mid-backward
 GRAD_BUCKET_BYTES = 25 * 2**20
-# False: gradients of ranks on one host go over gloo too (trainer/shm_allreduce.py; the tests
-# compare the two ways); YATT_SHM_ALLREDUCE=0 does the same for a run
-SHM_ALL_REDUCE = True
-SHM_SLOT_BYTES = 8 * 2**20  # per rank; the segment holds two sets of one slot per rank
-
-
-def shm_all_reduce_enabled() -> bool:
-    return SHM_ALL_REDUCE and os.environ.get("YATT_SHM_ALLREDUCE", "1") != "0"
 # False: every gradient all-reduced after the whole backward (the tests compare the two ways)
 OVERLAP_GRAD_ALL_REDUCE = True
 
@@ -577,10 +555,7 @@ class Learner:
         # replicated ranks average gradients during each step's last backward (FSDP2 reduce-scatters)
         self.policy_grads: GradientBuckets | None = None
         self.critic_grads: GradientBuckets | None = None
-        # (ranks on one host reduce through shared memory after the backward instead: on CPU
-        # gloo's threads would take their time from the same cores as the backward anyway)
-        if (self.group is not None and not self.sharded and OVERLAP_GRAD_ALL_REDUCE
-                and self.group.shm is None):
+        if self.group is not None and not self.sharded and OVERLAP_GRAD_ALL_REDUCE:
             self.policy_grads = GradientBuckets([p for p in self.policy.parameters() if p.requires_grad],
                                                 self.group)
             if self.critic is not None:
@@ -730,13 +705,9 @@ class Learner:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        if self.group.shm is not None:  # ranks on one host (trainer/shm_allreduce.py)
-            self.group.shm.all_reduce_(grads)
-        else:
-            works = [self.group.pg.allreduce([g]) for g in grads]
-            for w in works:
-                w.wait()
+        works = [self.group.pg.allreduce([p.grad]) for p in params]
+        for w in works:
+            w.wait()
         for p in params:
             assert p.grad is not None
             p.grad.div_(self.world_size)

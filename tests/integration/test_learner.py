@@ -139,12 +139,9 @@ def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
     AutoModelForCausalLM.from_pretrained = with_unused_parameter
     torch.set_num_threads(1)
     L.OVERLAP_GRAD_ALL_REDUCE = overlap
-    # overlapped: gloo's buckets; blocking: ranks on one host sum through shared memory
-    L.SHM_ALL_REDUCE = not overlap
     L.GRAD_BUCKET_BYTES = 32 * 1024
     # collectives out of order across ranks wait for each other: fail in minutes, not ten
     group = L.DataParallelGroup("127.0.0.1", port, rank, 2, timeout_s=120)
-    assert (group.shm is None) == overlap
     learner = L.Learner(parse_config(cfg_data), model_dir, dist_group=group)
     early: list[int] = []
     if overlap:
@@ -169,9 +166,8 @@ def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
 
 
 def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, tmp_path):
-    """Bucketed gloo all-reduce launched mid-backward (`GradientBuckets`, ranks on different
-    hosts) against the blocking one after it through shared memory (trainer/shm_allreduce.py,
-    ranks on one host), which must give the same bits: two micro-batches per rank, two epochs per step, a critic, and a rank with an empty
+    """Bucketed all-reduce launched mid-backward (`GradientBuckets`) against the blocking one
+    after it: two micro-batches per rank, two epochs per step, a critic, and a rank with an empty
     batch (it launches every bucket after no backward at all), and a policy parameter without a
     gradient (its bucket goes after the backward, still before the critic's). A bucket launched on
     an earlier micro-batch, or out of order across ranks, changes the weights or fails."""
