@@ -77,9 +77,9 @@ def _in_place_supported(worker) -> bool:
 def _load_cpu_in_place(worker, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Load HF-named whole tensors into a CPU model without vLLM's layer-wise reload.
 
-    The reload (``reload_weights``) re-creates every layer's parameters on the meta device,
-    re-runs each weight loader and post-processing, and costs ~4x the copies themselves (68 ms
-    for the 17M `small` model on one core, half of it Python). Here, with one engine on one
+    The reload (``reload_weights``) re-creates every layer's parameters on the meta device and
+    re-runs each weight loader and post-processing: 1.5-1.7x this load's time (71 against 41 ms
+    for the 17M `small` model on one core; bench/engine_load.py). Here, with one engine on one
     process (no tensor parallelism): a fused layer (``packed_modules_mapping``: q/k/v into
     ``qkv_proj``, gate/up into ``gate_up_proj``) gets its parts concatenated in mapping order,
     every linear layer gets its new weight and bias and then the same
@@ -107,22 +107,21 @@ def _load_cpu_in_place(worker, weights_iterator: Iterable[tuple[str, torch.Tenso
         return getattr(module, kind)
 
     def put(path: str, kind: str, tensor: torch.Tensor) -> None:
-        module = modules[path]
-        if isinstance(module, LinearBase):
+        target = param(path, kind)
+        if isinstance(modules[path], LinearBase):
             # in the dtype the layer holds it in now (a packed weight's empty stand-in has the
             # model's; a bias the CPU GEMM wants in fp32 already is), as vLLM's reload does
-            staged.setdefault(path, {})[kind] = tensor.to(param(path, kind).dtype)
+            staged.setdefault(path, {})[kind] = tensor.to(target.dtype)
             return
         if tied_head and path == "lm_head":
             return  # the embedding's own weight, loaded under its name
-        getattr(module, kind).data[: tensor.shape[0]].copy_(tensor)
+        target.data[: tensor.shape[0]].copy_(tensor)
 
     for name, tensor in weights_iterator:
         loaded += 1
         path, _, kind = name.rpartition(".")
         parent, _, leaf = path.rpartition(".")
         if leaf not in parts:
-            param(path, kind)
             put(path, kind, tensor)
             continue
         fused, i, k = parts[leaf]
