@@ -20,7 +20,9 @@ setting that ran, on the generation-heavy workload.
 Opt-in case suffixes (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,yatt-colocate-tp2,limit`):
 `-dynheap`, the same yatt case with `YATT_STEADY_HEAP=0`, glibc's dynamic malloc thresholds
 (trainer/host_memory.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
-share one vLLM engine sharded over their cores instead of an engine each).
+share one vLLM engine sharded over their cores instead of an engine each); `-refhome`, with
+`placement.reference_on_rollout: 0` (disaggregated: the training rank runs the whole reference
+pass, the A/B of the rollout worker taking a share of it).
 Steps per case are few (shared CPUs): medians and samples/s skip each case's first step
 (its warm-up, and a compiled case's compile), whose time is its own column.
 """
@@ -51,10 +53,12 @@ SECTION = "trainer_vs_trl"
 
 
 def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, balance: bool = True,
-                tensor_parallel: int = 1) -> dict:
+                tensor_parallel: int = 1, reference_on_rollout: float | str = "auto") -> dict:
     """``compiled``: `train.compile` and `rollout.compile` (opt-in: faster steps for a slower start);
     ``balance``: `train.balance_ranks` (the default: groups dealt across ranks by tokens);
-    ``tensor_parallel``: `rollout.tensor_parallel_size` (one engine sharded over that many controllers)."""
+    ``tensor_parallel``: `rollout.tensor_parallel_size` (one engine sharded over that many controllers);
+    ``reference_on_rollout``: `placement.reference_on_rollout` (disaggregated: the rollout
+    worker's share of the reference pass; the default, auto, balances it from phase times)."""
     return {
         "model": {"path": str(MODEL), "preset": "small"},
         "data": {"task": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+"]}},
@@ -66,7 +70,8 @@ def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, bala
                   "balance_ranks": balance},
         "rollout": {"engine": "vllm", "n": N, "max_new_tokens": tokens, "temperature": 1.0,
                     "compile": compiled, "tensor_parallel_size": tensor_parallel},
-        "placement": {"mode": mode, "devices": 2, "device_type": "cpu"},
+        "placement": {"mode": mode, "devices": 2, "device_type": "cpu",
+                      "reference_on_rollout": reference_on_rollout},
         "checkpoint": {"every_steps": 10_000, "export_final": False},
         "eval": {"size": 8},
         "seed": 0,
@@ -83,13 +88,17 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     # -tp2: the controllers share one vLLM engine sharded over their devices
     tensor_parallel = 2 if mode.endswith("-tp2") else 1
     mode = mode.removesuffix("-tp2")
+    # -refhome: the training rank runs the whole reference pass (placement.reference_on_rollout: 0)
+    reference_on_rollout: float | str = 0 if mode.endswith("-refhome") else "auto"
+    mode = mode.removesuffix("-refhome")
     compiled = mode.endswith("-compiled")
     balance = not mode.endswith("-unbalanced")  # the A/B of train.balance_ranks, in the same run
     mode = mode.removesuffix("-compiled").removesuffix("-unbalanced")
 
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
         cfg_path = Path(tmp) / "cfg.yaml"
-        cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled, balance, tensor_parallel)))
+        cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled, balance, tensor_parallel,
+                                                       reference_on_rollout)))
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "backend.cli", "train", str(cfg_path), "--out", str(run_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600, env=env)
@@ -101,7 +110,9 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
         "steps": [{"step": r["step"], "time": r["time/step"], "samples": PROMPTS * N,  # dynamic sampling is off
                    "gen_tokens": r["tokens/generated"], "reward": r.get("reward/mean", 0.0),
                    "phases": {k: r.get(f"time/{k}", 0.0) for k in
-                              ("rollout", "reward", "reference", "train", "weight_sync", "idle")},
+                              ("rollout", "reward", "reference", "reference_rollout", "train",
+                               "weight_sync", "idle")},
+                   "reference_share": r.get("placement/reference_on_rollout"),
                    "logprob_diff": r.get("rollout/logprob_diff")}
                   for r in rows],
     }
@@ -333,7 +344,9 @@ def summarize(runs: list[dict]) -> dict | None:
     med = statistics.median(s["time"] for s in timed)
     total_t = sum(s["time"] for s in timed)
     phases = {k: statistics.median(s["phases"].get(k, 0.0) for s in timed) for k in timed[0]["phases"]}
+    shares = [s["reference_share"] for s in timed if s.get("reference_share") is not None]
     return {"median_step": med, "first_step": runs[0]["steps"][0]["time"],
+            "reference_share": statistics.median(shares) if shares else None,
             "samples_s": sum(s["samples"] for s in timed) / total_t,
             "gen_tok_s": sum(s["gen_tokens"] for s in timed) / total_t, "phases": phases,
             "rewards": [s["reward"] for s in runs[0]["steps"]], "runs": len(runs)}
@@ -480,7 +493,10 @@ def main() -> None:
                 rows.append(f"| {case} | — | — | — | did not run: {err} | — |")
                 continue
             sums[case] = s
-            split = ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items() if v > 0.005)
+            split = ", ".join(f"{k.replace('_rollout', ' on the rollout worker')} {v:.2f}"
+                              for k, v in s["phases"].items() if v > 0.005)
+            if s.get("reference_share"):
+                split += f" (its share of the samples {s['reference_share']:.2f})"
             rows.append(f"| {case} | {s['median_step']:.2f} s | {s['samples_s']:.2f} | {s['gen_tok_s']:.0f} | "
                         f"{split} | {s['first_step']:.1f} s |")
         lim = best_limit(results.get("limit", []))

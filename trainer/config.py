@@ -264,11 +264,23 @@ class PlacementConfig(_Group):
         "run starts (the driver's host: use an absolute path for runs submitted over HTTP).",
         examples=[".yatt/link-calibration.json"],
     )
+    reference_on_rollout: float | Literal["auto"] = Field(
+        "auto", description="Rollout workers (disaggregated): the share of each rollout's samples "
+        "whose reference log-probs the worker computes right after generating them, with its own "
+        "copy of the frozen reference (exact for stale samples too), instead of the training "
+        "ranks' reference pass. auto: the share that evens the two sides' measured busy time "
+        "(0 when generation is the longer side), re-chosen every step; on GPUs auto keeps 0, the "
+        "engine having claimed the device's memory. 0: always the training ranks.",
+        examples=["auto", 0.5, 0],
+    )
 
     @model_validator(mode="after")
     def _split_fits(self) -> PlacementConfig:
         if self.rollout_devices is not None and self.rollout_devices >= self.devices:
             raise ValueError("placement.rollout_devices must be less than placement.devices")
+        if self.reference_on_rollout != "auto" and not 0 <= self.reference_on_rollout <= 1:
+            raise ValueError("placement.reference_on_rollout must be 'auto' or a share from 0 to 1, "
+                             f"not {self.reference_on_rollout}")
         if self.reward_devices > self.devices:
             raise ValueError("placement.reward_devices must be at most placement.devices")
         return self

@@ -141,17 +141,31 @@ class RolloutWorker:
         self.monitor = DeviceMonitor(device, device_type=device_type, cores=cores)
         self.engine = make_engine(self.cfg, model_dir, threads=threads, seed=self.cfg.seed + 101 * device)
         self.version = -1
+        self.model_dir = model_dir
+        self.torch_device = "cuda" if device_type == "gpu" else "cpu"
+        self.reference: Any = None  # a FrozenReference, once the learner has sent its weights
 
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, prompts: list[str], n: int) -> dict[str, Any]:
+    def generate(self, prompts: list[str], n: int, reference_rows: int = 0) -> dict[str, Any]:
+        """``n`` samples per prompt; the first ``reference_rows`` of them also carry the frozen
+        reference's log-probs (`placement.reference_on_rollout`), computed here after generating."""
         start = time.time()
         samples = self.engine.generate(prompts, n)
         apply_decode_delay(self.version + 1, samples)  # YATT_SLOW_DECODE; a no-op unless set
         end = time.time()
+        spans = [{"device": self.device, "phase": "rollout", "start": start, "end": end}]
+        if reference_rows > 0:
+            if self.reference is None:
+                raise RuntimeError("reference log-probs asked for before the reference weights came")
+            scored = samples[:reference_rows]
+            refs = self.reference.logprobs([s.prompt_ids for s in scored], [s.response_ids for s in scored])
+            for s, lps in zip(scored, refs, strict=True):
+                s.ref_logprobs = lps
+            spans.append({"device": self.device, "phase": "reference", "start": end, "end": time.time()})
         return {"samples": samples, "version": self.version, "device_metrics": self.monitor.sample(),
-                "spans": [{"device": self.device, "phase": "rollout", "start": start, "end": end}]}
+                "spans": spans}
 
     def open_weight_sync(self, master_addr: str, master_port: int, rank: int, world: int,
                          backend: str) -> None:
@@ -166,6 +180,16 @@ class RolloutWorker:
         self.version = stats.version
         return {"device": self.device, "phase": "weight_sync", "start": stats.start, "end": stats.end}
 
+    def receive_reference(self) -> dict[str, Any]:
+        """Take the learner's frozen reference (one broadcast, at the run's start) into this
+        worker's own copy, for `generate(..., reference_rows=...)`. Returns its span."""
+        from trainer.learner import FrozenReference
+
+        if self.reference is None:
+            self.reference = FrozenReference(self.cfg, self.model_dir, device=self.torch_device)
+        stats = self.weights_in.receive(self.reference.load)
+        return {"device": self.device, "phase": "weight_sync", "start": stats.start, "end": stats.end}
+
     def close(self) -> None:
         self.engine.close()
 
@@ -178,6 +202,61 @@ class _Pending:
     shares: list[list[Any]]
     version: int
     stream_before: Any = None  # the prompt stream's state before these prompts were taken
+    reference_share: float = 0.0  # of each worker's samples, scored by its reference copy
+
+
+class ReferenceSplit:
+    """How much of the reference pass the rollout workers take (`placement.reference_on_rollout`).
+
+    Disaggregated, a step lasts as long as the busier side: a worker's generation (R) plus its
+    reference log-probs for a share ``f`` of its samples, or the training rank's work (W) plus the
+    reference pass over the rest. With ``a`` and ``b`` the seconds per sample of a reference pass
+    on a worker and on the training rank, ``m`` workers of ``N`` samples each feeding this rank:
+    ``R + a f N = W + b m N (1 - f)``, so ``f = (W + b m N - R) / (N (a + b m))``, within [0, 1].
+    The inputs are the last steps' measured phase times (halfway averages); `auto` starts at 0
+    and skips the first ``warmup`` steps (first engine calls, an empty prefetch queue).
+    """
+
+    def __init__(self, setting: float | str, *, trainer_cores: float, worker_cores: float,
+                 warmup: int = 1):
+        self.auto = setting == "auto"
+        self.share = 0.0 if self.auto else float(setting)
+        self.core_ratio = trainer_cores / max(worker_cores, 1e-9)
+        self.est: dict[str, float] = {}
+        self.warmup = warmup
+
+    def _blend(self, key: str, value: float) -> None:
+        old = self.est.get(key)
+        self.est[key] = value if old is None else 0.5 * (old + value)
+
+    def observe(self, *, worker_rollout_s: float, worker_reference_s: float, worker_rows: int,
+                worker_reference_rows: int, workers: int, trainer_busy_s: float,
+                trainer_reference_s: float, trainer_reference_rows: int) -> float:
+        """One step's measurements (a worker's, the busiest; this rank's own); returns the share
+        for the next rollouts submitted."""
+        if not self.auto or worker_rows <= 0 or workers <= 0:
+            return self.share
+        if self.warmup > 0:
+            self.warmup -= 1
+            return self.share
+        self._blend("R", worker_rollout_s)
+        self._blend("W", max(0.0, trainer_busy_s - trainer_reference_s))
+        if trainer_reference_rows > 0:
+            self._blend("b", trainer_reference_s / trainer_reference_rows)
+        if worker_reference_rows > 0:
+            self._blend("a", worker_reference_s / worker_reference_rows)
+        b = self.est.get("b")
+        a = self.est.get("a", b * self.core_ratio if b is not None else None)
+        if a is None or b is None:
+            return self.share
+        n, m = float(worker_rows), float(workers)
+        f = (self.est["W"] + b * m * n - self.est["R"]) / (n * (a + b * m))
+        self.share = min(1.0, max(0.0, f))
+        return self.share
+
+    def rows(self, samples: int) -> int:
+        """Of a worker's ``samples``, how many it scores with its reference copy."""
+        return min(samples, round(self.share * samples))
 
 
 class ControllerLoop:
@@ -319,6 +398,18 @@ class ControllerLoop:
             self.engine = make_engine(cfg, model_dir, threads=threads, seed=seed,
                                       tensor_parallel=self.tensor_parallel)
         self.weight_sync.engine = self.engine
+        # the rollout workers score a share of their samples with a copy of the frozen reference
+        setting = cfg.placement.reference_on_rollout
+        self.reference_split: ReferenceSplit | None = None
+        self._worker_step: dict[str, float] = {}
+        self._reference_out = (self.learner.reference is not None and setting != 0
+                               and not (setting == "auto" and self.device_type == "gpu"))
+        if self.world > 1:  # every rank takes part in the reference's broadcast (sharded: gathers)
+            has = self._reference_out and (bool(self.rollout_workers) or self.weight_sync.broadcaster is not None)
+            self._reference_out = self.learner.all_reduce_max(int(has)) > 0
+        if self._reference_out and self.rollout_workers:
+            self.reference_split = ReferenceSplit(setting, trainer_cores=self.cores,
+                                                  worker_cores=cfg.placement.cpus_per_device)
         if resume is not None and mine is not None:
             ckpt.set_rng_state(mine["rng"])  # last: building an engine reseeds torch
 
@@ -357,9 +448,12 @@ class ControllerLoop:
             start += size
         local: list[Any] = shares.pop(0) if self.engine is not None else []
         refs = []
+        split = self.reference_split
         for (_dev, worker), share in zip(self.rollout_workers, shares, strict=True):
-            refs.append(worker.generate.remote([e.prompt for e in share], n) if share else None)
-        return _Pending(examples, local, refs, shares, self.state["step"])
+            rows = split.rows(len(share) * n) if split is not None else 0
+            refs.append(worker.generate.remote([e.prompt for e in share], n, rows) if share else None)
+        return _Pending(examples, local, refs, shares, self.state["step"],
+                        reference_share=split.share if split is not None else 0.0)
 
     def _collect(self, pending: _Pending, n: int) -> list[Group]:
         import ray
@@ -395,6 +489,7 @@ class ControllerLoop:
             # versions between the weights that sampled it and the policy it will train
             lag = max(0, self.state["step"] - out["version"]) if out["version"] >= 0 else 0
             self._staleness = max(getattr(self, "_staleness", 0), lag)
+            self._note_worker(out, len(share) * n, pending.reference_share)
             samples_by_share.append((share, out["samples"], lag))
         for share, samples, lag in samples_by_share:
             if len(samples) != len(share) * n:
@@ -486,24 +581,38 @@ class ControllerLoop:
         return [Group(e, samples[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n], {"staleness": 0})
                 for i, e in enumerate(share)]
 
+    def _note_worker(self, out: dict[str, Any], rows: int, share: float) -> None:
+        """A worker's generation and reference seconds for one rollout (`ReferenceSplit`)."""
+        took = {"rollout": 0.0, "reference": 0.0}
+        for span in out["spans"]:
+            if span["phase"] in took:
+                took[span["phase"]] += span["end"] - span["start"]
+        ref_rows = sum(s.ref_logprobs is not None for s in out["samples"])
+        seen = self._worker_step
+        if took["rollout"] + took["reference"] >= seen.get("busy", -1.0):
+            seen.update(busy=took["rollout"] + took["reference"], rollout=took["rollout"],
+                        reference=took["reference"], rows=rows, reference_rows=ref_rows)
+        seen["share"] = share
+
     def _draw(self, k: int) -> list[Group]:
         n = self.cfg.rollout.n
         groups = self._collect(self._submit(self.stream.take(k), n), n)
         self._drawn.extend(groups)
         return groups
 
-    def _push_weights(self, version: int) -> dict[str, float]:
-        """The new policy to the samplers (trainer.weight_sync); returns `weight_sync/*`."""
+    def _push_weights(self, version: int, *, reference: bool = False) -> dict[str, float]:
+        """The new policy to the samplers (trainer.weight_sync); returns `weight_sync/*`. With
+        ``reference``, the frozen reference to the rollout workers' copies (once per run)."""
         streams: list[Iterator[tuple[str, torch.Tensor]]] = []
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             # streamed: one (gathered, when sharded) tensor at a time, never a whole copy
-            streams.append(self.learner.iter_named_weights())
+            streams.append(self.learner.iter_named_weights(reference=reference))
             return streams[-1]
 
         metrics: dict[str, float] = {}
-        if self.weight_sync.has_destination:
-            metrics, spans = self.weight_sync.push(version, weights)
+        if self.weight_sync.broadcaster is not None if reference else self.weight_sync.has_destination:
+            metrics, spans = self.weight_sync.push(version, weights, reference=reference)
             self.recorder.extend(spans)
         elif self.learner.sharded:
             weights()
@@ -606,6 +715,8 @@ class ControllerLoop:
         cfg = self.cfg
         self._setup(master_addr, master_port)
         self._warm_start()
+        if self._reference_out:  # after the warm start, which moves the reference
+            self._push_weights(self.state["step"], reference=True)
         self._push_weights(self.state["step"])
         if "accuracy_start" not in self.state["eval"]:
             self._evaluate("start")
@@ -656,7 +767,9 @@ class ControllerLoop:
                                 scores=rewards, n=n,
                                 truncated=[s.finish_reason == "length" for s in samples],
                                 sample_logprobs=[list(s.logprobs) for s in samples],
-                                staleness=[g.extra.get("staleness", 0) for g in groups for _ in g.samples])
+                                staleness=[g.extra.get("staleness", 0) for g in groups for _ in g.samples],
+                                ref_logprobs=([list(s.ref_logprobs or []) for s in samples]
+                                              if any(s.ref_logprobs for s in samples) else None))
                 if self.engine is not None and hasattr(self.engine, "sleep"):
                     self.engine.sleep()  # colocated: free the KV cache while the policy trains
                 with self.recorder.span("train"):
@@ -695,6 +808,7 @@ class ControllerLoop:
             step_end = time.time()
             metrics.update(self._step_metrics(step, t0, step_end, gen_tokens, samples_n,
                                               metrics.pop("trained_tokens", 0.0)))
+            self._split_reference(metrics)
             self.state["step"] = step
             spans = self.recorder.take()
             self._emit({"type": "metrics", "step": step, "metrics": metrics,
@@ -721,6 +835,21 @@ class ControllerLoop:
         if self.engine is not None:
             self.engine.close()
         return {"rank": self.rank, "step": self.state["step"], "eval": self.state["eval"]}
+
+    def _split_reference(self, metrics: dict[str, float]) -> None:
+        """Feed this step's phase times to the reference split; report the share it ran with."""
+        split, seen = self.reference_split, self._worker_step
+        self._worker_step = {}
+        if split is None or not seen:
+            return
+        metrics["placement/reference_on_rollout"] = seen["share"]
+        metrics["time/reference_rollout"] = seen["reference"]
+        split.observe(worker_rollout_s=seen["rollout"], worker_reference_s=seen["reference"],
+                      worker_rows=int(seen["rows"]), worker_reference_rows=int(seen["reference_rows"]),
+                      workers=len(self.rollout_workers),
+                      trainer_busy_s=metrics["time/step"] - metrics.get("time/rollout_wait", 0.0),
+                      trainer_reference_s=metrics.get("time/reference", 0.0),
+                      trainer_reference_rows=int(metrics.get("reference/rows", 0.0)))
 
     def _stream_state(self) -> int | dict[int, int]:
         s = self.stream

@@ -30,7 +30,7 @@ import copy
 import functools
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,8 @@ from trainer.algorithms import core as A
 from trainer.config import TrainerConfig
 from trainer.precision import cpu_native_bf16
 
-__all__ = ["DataParallelGroup", "Learner", "RLBatch", "ResponseLogprobs", "ValueModel", "apply_fsdp",
+__all__ = ["DataParallelGroup", "FrozenReference", "Learner", "RLBatch", "ResponseLogprobs", "ValueModel",
+           "apply_fsdp", "chunk_logprobs", "reference_logprobs", "response_layout",
            "lr_lambda"]
 
 
@@ -193,6 +194,9 @@ class RLBatch:
     sample_logprobs: list[list[float]] | None = None
     # policy versions each sample lags the policy being trained (0: sampled by the current one)
     staleness: list[int] | None = None
+    # the frozen reference's log-prob of each response token, where a rollout worker computed it
+    # after generating (`placement.reference_on_rollout`); None or [] for a row: the learner's pass
+    ref_logprobs: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -272,6 +276,58 @@ class ResponseLogprobs(nn.Module):
         return torch.cat(lps, dim=1), (torch.cat(ents, dim=1) if entropy else None)
 
 
+def response_layout(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+                    device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Right-padded ``prompt + response`` sequences and where their responses sit.
+
+    Returns ``input_ids [B, L]``, ``attention_mask [B, L]``, ``index [B, T]`` (the position in
+    next-token order that predicts each response token) and ``mask [B, T]``. Per-token
+    tensors handed to trainer.algorithms are response-aligned ``[B, T]``: token 0 is the
+    first response token of every row, as those functions expect.
+    """
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
+    L = max(lengths)
+    T = max(len(r) for r in response_ids)
+    B = len(lengths)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    index = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        seq = list(p) + list(r)
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[i, : len(seq)] = 1
+        index[i, : len(r)] = torch.arange(len(p) - 1, len(seq) - 1)
+        mask[i, : len(r)] = 1.0
+    return ids.to(device), attn.to(device), index.to(device), mask.to(device)
+
+
+def chunk_logprobs(run: ResponseLogprobs, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor,
+                   rows: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``run``'s log-probs (and entropies) of the batch rows `rows`, cut to their own longest
+    sequence and response (right padding: nothing a kept token attends to is cut), padded back
+    to the batch's ``[len(rows), T]`` with zeros where the mask is zero."""
+    (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows)
+    lp, ent = run(c_ids, c_attn, c_index, **kwargs)
+    return F.pad(lp, (0, pad)), (F.pad(ent, (0, pad)) if ent is not None else None)
+
+
+def reference_logprobs(run: ResponseLogprobs, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                       *, pad_id: int, device: torch.device | str, max_rows: int, max_tokens: int | None,
+                       temperature: float, autocast: contextlib.AbstractContextManager[Any]
+                       ) -> list[list[float]]:
+    """The log-probs of each response token under a frozen model (``run``), micro-batched as the
+    learner's own reference pass is: what a rollout worker computes beside its sampler
+    (`placement.reference_on_rollout`), one list per response."""
+    ids, attn, index, mask = response_layout(prompt_ids, response_ids, pad_id, device)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    with torch.no_grad(), autocast:
+        for c in micro_batches(attn.sum(dim=1), max_rows, max_tokens):
+            out[c] = chunk_logprobs(run, ids, attn, index, mask, c, temperature=temperature)[0]
+    out = out.cpu()
+    return [out[i, : len(r)].tolist() for i, r in enumerate(response_ids)]
+
+
 def micro_batches(lengths: Tensor, max_rows: int, max_tokens: int | None = None) -> list[Tensor]:
     """The rows of a batch (their sequence lengths) as micro-batches: row indices, longest rows
     first, each micro-batch at most `max_rows` rows and, when `max_tokens` is set, at most that
@@ -304,28 +360,32 @@ def deal_groups(costs: list[int], world: int) -> list[int]:
 
 def _encode_rows(batch: RLBatch) -> tuple[list[int], list[float]]:
     """A batch's rows as flat integers (lengths, staleness, truncation, token ids) and floats
-    (score, sampler log-probs), for `Learner._balanced`'s exchange."""
+    (score, sampler log-probs, reference log-probs), for `Learner._balanced`'s exchange."""
     ints: list[int] = []
     floats: list[float] = []
     for i in range(len(batch)):
         lps = batch.sample_logprobs[i] if batch.sample_logprobs is not None else []
+        refs = (batch.ref_logprobs[i] or []) if batch.ref_logprobs is not None else []
         stale = batch.staleness[i] if batch.staleness is not None else -1
         p, r = batch.prompt_ids[i], batch.response_ids[i]
-        ints += [len(p), len(r), len(lps), stale, int(batch.truncated[i]), *p, *r]
-        floats += [batch.scores[i], *lps]
+        ints += [len(p), len(r), len(lps), len(refs), stale, int(batch.truncated[i]), *p, *r]
+        floats += [batch.scores[i], *lps, *refs]
     return ints, floats
 
 
 def _decode_rows(ints: list[int], floats: list[float], rows: int) -> list[tuple]:
-    """`_encode_rows` back: (prompt, response, score, truncated, logprobs, staleness) per row."""
+    """`_encode_rows` back: (prompt, response, score, truncated, logprobs, staleness,
+    reference log-probs) per row."""
     out, i, f = [], 0, 0
     for _ in range(rows):
-        plen, rlen, llen, stale, trunc = ints[i: i + 5]
-        i += 5
+        plen, rlen, llen, rflen, stale, trunc = ints[i: i + 6]
+        i += 6
         p, r = ints[i: i + plen], ints[i + plen: i + plen + rlen]
         i += plen + rlen
-        out.append((p, r, floats[f], bool(trunc), floats[f + 1: f + 1 + llen], stale))
-        f += 1 + llen
+        lps = floats[f + 1: f + 1 + llen]
+        refs = floats[f + 1 + llen: f + 1 + llen + rflen]
+        out.append((p, r, floats[f], bool(trunc), lps, stale, refs))
+        f += 1 + llen + rflen
     return out
 
 
@@ -496,6 +556,58 @@ def _use_eager_attention(model: nn.Module) -> None:
         model.set_attn_implementation("eager")
 
 
+class FrozenReference:
+    """A copy of the learner's frozen reference model away from the learner (a rollout worker's,
+    `placement.reference_on_rollout`): the log-probs of finished samples, at the learner's
+    precision (`train.mixed_precision`), sampling temperature and micro-batching, so they stand
+    in for the learner's own reference pass. Its weights come from the learner (`load`), since
+    a warm start or a resumed checkpoint sets the reference apart from the model directory."""
+
+    def __init__(self, cfg: TrainerConfig, model_dir: str | Path, *, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        self.device = torch.device(device)
+        tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=cfg.model.trust_remote_code)
+        self.eos_id = int(tok.eos_token_id)
+        self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=_dtype(cfg.model.dtype),
+            trust_remote_code=cfg.model.trust_remote_code).to(self.device).eval().requires_grad_(False)
+        self.autocast_dtype = autocast_dtype(cfg.train.mixed_precision, self.device)
+        if self.device.type == "cpu" and self.autocast_dtype is not None:
+            _use_eager_attention(self.model)
+        self.run = ResponseLogprobs(self.model)
+
+    def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        """Take the learner's reference weights by name (`Learner.iter_named_weights(reference=True)`);
+        every tensor of the model must come."""
+        state = self.model.state_dict()
+        seen: set[str] = set()
+        with torch.no_grad():
+            for name, t in named:
+                if name not in state:
+                    raise KeyError(f"reference weight {name!r} is not a tensor of this model")
+                state[name].copy_(t)
+                seen.add(name)
+        missing = set(state) - seen
+        if missing:
+            raise ValueError(f"reference weights missing {len(missing)} tensors, e.g. {sorted(missing)[0]!r}")
+
+    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """Per response, the reference's log-prob of each of its tokens (an empty response is
+        scored as the EOS token, as the learner trains it)."""
+        cfg = self.cfg
+        responses = [list(r) or [self.eos_id] for r in response_ids]
+        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        precision = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
+                     if self.autocast_dtype is not None else contextlib.nullcontext())
+        return reference_logprobs(self.run, [list(p) for p in prompt_ids], responses, pad_id=self.pad_id,
+                                  device=self.device, max_rows=cfg.train.micro_batch_size,
+                                  max_tokens=cfg.train.micro_batch_tokens, temperature=temp,
+                                  autocast=precision)
+
+
 class Learner:
     def __init__(self, cfg: TrainerConfig, model_dir: str | Path, *, device: str = "cpu",
                  dist_group: Any = None):
@@ -613,28 +725,8 @@ class Learner:
     # ------------------------------------------------------------------ batches and forwards
     def _layout(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Right-padded ``prompt + response`` sequences and where their responses sit.
-
-        Returns ``input_ids [B, L]``, ``attention_mask [B, L]``, ``index [B, T]`` (the position in
-        next-token order that predicts each response token) and ``mask [B, T]``. Per-token
-        tensors handed to trainer.algorithms are response-aligned ``[B, T]``: token 0 is the
-        first response token of every row, as those functions expect.
-        """
-        lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
-        L = max(lengths)
-        T = max(len(r) for r in response_ids)
-        B = len(lengths)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        index = torch.zeros((B, T), dtype=torch.long)
-        mask = torch.zeros((B, T), dtype=torch.float32)
-        for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
-            seq = list(p) + list(r)
-            ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            attn[i, : len(seq)] = 1
-            index[i, : len(r)] = torch.arange(len(p) - 1, len(seq) - 1)
-            mask[i, : len(r)] = 1.0
-        return ids.to(self.device), attn.to(self.device), index.to(self.device), mask.to(self.device)
+        """`response_layout` with this learner's pad token, on its device."""
+        return response_layout(prompt_ids, response_ids, self.pad_id, self.device)
 
     def _logprobs(self, model: nn.Module, ids: Tensor, attn: Tensor, index: Tensor, *,
                   entropy: bool = False, entropy_grad: bool = True, temperature: float = 1.0,
@@ -650,12 +742,9 @@ class Learner:
 
     def _chunk_logprobs(self, model: nn.Module, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor,
                         rows: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """`_logprobs` of the batch rows `rows`, cut to their own longest sequence and response
-        (right padding: nothing a kept token attends to is cut), padded back to the batch's
-        ``[len(rows), T]`` with zeros where the mask is zero."""
-        (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows)
-        lp, ent = self._logprobs(model, c_ids, c_attn, c_index, **kwargs)
-        return F.pad(lp, (0, pad)), (F.pad(ent, (0, pad)) if ent is not None else None)
+        """`chunk_logprobs` of ``model`` (through its FSDP root when sharded)."""
+        run = self._forwards.get(id(model)) or ResponseLogprobs(model)
+        return chunk_logprobs(run, ids, attn, index, mask, rows, **kwargs)
 
     def _chunk_values(self, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
         (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows)
@@ -775,9 +864,15 @@ class Learner:
             chunks = micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size,
                                    cfg.train.micro_batch_tokens)
         n_chunks = len(chunks)
+        # the reference pass runs on the rows whose reference log-probs did not come with them
+        given_ref, ref_chunks = (self._given_reference(batch, attn, mask, chunks)
+                                 if rows and self.reference is not None else (None, chunks))
         # sharded: every rank runs as many micro-batches as the rank with the most (collectives)
         passes = self.all_reduce_max(n_chunks) if self.sharded else n_chunks
         idle = passes - n_chunks
+        ref_idle = 0
+        if self.reference is not None:
+            ref_idle = (self.all_reduce_max(len(ref_chunks)) if self.sharded else len(ref_chunks)) - len(ref_chunks)
         kl_old = algo.kl_in_reward and self.reference is not None
         if rows:
             scores = torch.tensor(batch.scores, dtype=torch.float32, device=self.device)
@@ -800,9 +895,15 @@ class Learner:
                     self.policy.train()
                 ref_lp = kl_r = None
                 if self.reference is not None:
-                    ref_lp = in_row_order(chunks, [self._chunk_logprobs(
-                        self.reference, ids, attn, index, mask, c, temperature=temp)[0] for c in chunks])
-                    self._idle_passes(idle, reference=True, temperature=temp)
+                    assert given_ref is not None
+                    ref_lp = given_ref
+                    for c in ref_chunks:
+                        ref_lp[c] = self._chunk_logprobs(self.reference, ids, attn, index, mask, c,
+                                                         temperature=temp)[0]
+                    self._idle_passes(ref_idle, reference=True, temperature=temp)
+                    passed = sum(len(c) for c in ref_chunks)  # rows this rank's reference pass ran on
+                    metrics["reference/rows"] = float(passed)
+                    metrics["reference/given_frac"] = 1.0 - passed / rows
                     if old_lp is not None:
                         kl_r = A.kl_penalty(old_lp, ref_lp, algo.kl_estimator) * mask
                 values = None
@@ -836,8 +937,7 @@ class Learner:
             local = [0.0, 0.0, 0.0, 0.0]
             # the passes the other ranks run on their rows, module by module in the same order
             self._idle_passes(idle if kl_old else 0, policy_old=True, temperature=temp)
-            self._idle_passes(idle if self.reference is not None else 0, reference=True,
-                              temperature=temp)
+            self._idle_passes(ref_idle, reference=True, temperature=temp)
             self._idle_passes(idle if self.critic is not None else 0, critic=True)
         # One collective on every rank: the global batch's size and its advantage moments.
         g_tokens, g_rows, adv_sum, adv_sq = self.all_reduce_sum(local)
@@ -956,8 +1056,8 @@ class Learner:
 
         Only which rank computes which group changes: each micro-batch's loss weight is its share
         of the global tokens (or rows), so the averaged gradient is the same. Every rank gathers
-        every group (token ids, scores, sampler log-probs: small beside one gradient all-reduce)
-        with two all-reduces over zero-filled buffers; a rank whose rows are not whole groups of
+        every group (token ids, scores, sampler and reference log-probs: small beside one gradient
+        all-reduce) with two all-reduces over zero-filled buffers; a rank whose rows are not whole groups of
         ``batch.n`` leaves the batch as it is on every rank.
         """
         assert self.group is not None
@@ -996,9 +1096,34 @@ class Learner:
         out = RLBatch(prompt_ids=[row[0] for row in mine], response_ids=[row[1] for row in mine],
                       scores=[row[2] for row in mine], n=n, truncated=[row[3] for row in mine],
                       sample_logprobs=[row[4] for row in mine],
-                      staleness=None if all(s < 0 for s in stale) else [max(s, 0) for s in stale])
+                      staleness=None if all(s < 0 for s in stale) else [max(s, 0) for s in stale],
+                      ref_logprobs=[row[6] for row in mine] if any(row[6] for row in mine) else None)
         # the slowest rank's tokens over the mean, as the ranks came and as dealt
         return out, {"train/rank_load_before": max(before) / mean, "train/rank_load_after": max(after) / mean}
+
+    def _given_reference(self, batch: RLBatch, attn: Tensor, mask: Tensor, chunks: list[Tensor]
+                         ) -> tuple[Tensor, list[Tensor]]:
+        """The reference log-probs ``[B, T]`` that came with the batch (zeros elsewhere) and the
+        micro-batches of the rows still to pass through the reference: ``chunks`` when none came,
+        else the other rows, micro-batched by the same rule."""
+        rows, length = mask.shape
+        out = torch.zeros((rows, length), dtype=torch.float32)
+        todo: list[int] = []
+        for i, (refs, resp) in enumerate(zip(batch.ref_logprobs or [[]] * rows, batch.response_ids,
+                                             strict=True)):
+            if refs and len(refs) == len(resp):
+                out[i, : len(refs)] = torch.tensor(refs, dtype=torch.float32)
+            else:
+                todo.append(i)
+        out = out.to(self.device)
+        if len(todo) == rows:
+            return out, chunks
+        left = torch.tensor(todo, dtype=torch.long, device=attn.device)
+        if not todo:
+            return out, []
+        cfg = self.cfg.train
+        return out, [left[c] for c in micro_batches(attn[left].sum(dim=1), cfg.micro_batch_size,
+                                                    cfg.micro_batch_tokens)]
 
     def _behaviour_logprobs(self, batch: RLBatch, mask: Tensor) -> tuple[Tensor, Tensor]:
         """The sampler's log-probs ``[B, T]`` and a row mask of the samples that carry them."""
@@ -1093,14 +1218,18 @@ class Learner:
             out.extend(self.tokenizer.batch_decode(new, skip_special_tokens=True))
         return out
 
-    def iter_named_weights(self) -> Iterator[tuple[str, Tensor]]:
+    def iter_named_weights(self, *, reference: bool = False) -> Iterator[tuple[str, Tensor]]:
         """The policy's weights by HF name, one tensor at a time, where they live (no host copy):
-        what a sampler loads, in place or through trainer.weight_sync's broadcast.
+        what a sampler loads, in place or through trainer.weight_sync's broadcast. With
+        ``reference``, the frozen reference's instead (for a `FrozenReference`).
 
         Sharded, each tensor is gathered (``full_tensor``, an all-gather) as it is asked for, so
         no whole copy of the model is ever built; every rank must drain the iterator.
         """
-        for name, t in self.policy.state_dict().items():
+        model = self.reference if reference else self.policy
+        if model is None:
+            raise ValueError("this learner has no reference model (algorithm.kl_coef is 0)")
+        for name, t in model.state_dict().items():
             yield name, _full(t).detach()
 
     def named_weights(self) -> dict[str, Tensor]:

@@ -333,9 +333,11 @@ class TrainerWeightSync:
         for ref in done:
             ray.get(ref)  # a receiver that died raises here instead of hanging the broadcast
 
-    def push(self, version: int, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
-             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    def push(self, version: int, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], *,
+             reference: bool = False) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Move policy `version` to this rank's destinations; `weights()` yields it by HF name.
+        With ``reference``, the frozen reference instead, to the rollout workers only (their
+        `receive_reference`; once per run, `placement.reference_on_rollout`).
 
         Returns the step's `weight_sync/*` metrics and this device's phase spans
         (`weight_sync`; `rollout_wait` while receivers finish the rollout they are generating).
@@ -343,10 +345,11 @@ class TrainerWeightSync:
         metrics: dict[str, float] = {}
         spans: list[dict[str, Any]] = []
         moved: list[SyncStats] = []
-        if self.engine is not None:
+        if self.engine is not None and not reference:
             moved.append(load_in_place(self.engine, weights(), version))
         if self.broadcaster is not None:
-            self._receiving = [w.receive_weights.remote() for w in self.receivers]
+            self._receiving = [(w.receive_reference if reference else w.receive_weights).remote()
+                               for w in self.receivers]
             self._pending.extend(self._receiving)
             stats = self.broadcaster.broadcast(version, weights(), still_waiting=self._receivers_alive)
             if stats.wait_s > 0:

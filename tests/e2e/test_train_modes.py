@@ -36,6 +36,32 @@ def test_disaggregated_overlaps_rollout_with_training(ray_head, nano_model, tmp_
 
 
 @pytest.mark.slow
+def test_rollout_worker_scores_the_reference_and_the_run_trains_the_same(ray_head, nano_model, tmp_path):
+    """`placement.reference_on_rollout`: the worker's copy of the reference (sent after the warm
+    start moved it) scores every sample, the training rank runs no reference pass, and the run's
+    numbers are those of a run whose training rank ran it (same seed, same samples)."""
+    runs = {}
+    for share in (0, 1):
+        cfg = tiny_config(nano_model, placement={"mode": "disaggregated", "devices": 2, "staleness": 1,
+                                                 "reference_on_rollout": share},
+                          algorithm={"kl_coef": 0.05}, train={"max_steps": 3, "batch_size": 4})
+        run_training(cfg, tmp_path / str(share), env={})
+        runs[share] = [m for m in read_metrics(tmp_path / str(share)) if m["step"] > 0]
+    home, away = runs[0], runs[1]
+    assert all(m["reference/given_frac"] == 0.0 and m["reference/rows"] > 0 for m in home)
+    assert all(m["reference/given_frac"] == 1.0 and m["reference/rows"] == 0 for m in away)
+    assert all(m["placement/reference_on_rollout"] == 1.0 and m["time/reference_rollout"] > 0 for m in away)
+    spans = [s for e in read_events(tmp_path / "1") if e["kind"] == "phase_spans" for s in e["data"]["spans"]]
+    # the rollout device's reference spans (the training device's hold only the advantages now)
+    assert 0 in {s["device"] for s in spans if s["phase"] == "reference"}
+    assert any(m["kl/mean"] > 0 for m in home)  # the warm start moved the reference off the policy
+    for a, b in zip(home, away, strict=True):
+        assert b["tokens/generated"] == a["tokens/generated"]
+        for k in ("kl/mean", "loss/total", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-6), (a["step"], k)
+
+
+@pytest.mark.slow
 def test_single_controller_trains_the_same_ranks_as_parallel_with_all_data_through_the_driver(
         ray_head, nano_model, tmp_path):
     """Same seed, devices, ranks and algorithm: the driver-held loop gives the parallel mode's

@@ -142,3 +142,47 @@ def test_online_fit_reports_parameters_and_error_per_step_once_it_has_enough():
     assert last["placement/fit/step_error"] < 0.05
     assert last["placement/cost/train_token_s"] > 0
     assert OnlineFit.for_config(parse_config({"model": {"path": "hub/unknown"}})) is None
+
+
+def _reference_workload() -> Workload:
+    return Workload(prompts=4, n=8, response=LengthDist.from_mean_max(160, 256, 32), prompt_tokens=12,
+                    param_bytes=7e7)
+
+
+def test_disaggregated_prediction_hands_the_workers_the_share_of_the_reference_that_evens_the_sides():
+    p = CostParams(gen_token_s=0.0015, gen_step_s=0.01, ref_token_s=0.0007, train_token_s=0.002)
+    w = _reference_workload()
+    home = phase_times(p, w, Layout("disaggregated", 2, rollout_devices=1, reference_on_rollout=0.0))
+    auto = phase_times(p, w, Layout("disaggregated", 2, rollout_devices=1, reference_on_rollout=None))
+    full = p.ref_token_s * w.train_tokens  # one training device: the whole pass
+    assert home.train_side - home.rollout_side > 0 and home.train_side - home.rollout_side < 2 * full
+    # the workers take f with rollout_side + f ref = train_side - f ref (one device each side)
+    assert auto.rollout_side == pytest.approx(auto.train_side)
+    assert auto.step == pytest.approx((home.rollout_side + home.train_side) / 2)
+    assert auto.reference == pytest.approx(full - (home.train_side - home.rollout_side) / 2)
+    # a fixed share is what it says; generation-bound, auto leaves the reference home
+    half = phase_times(p, w, Layout("disaggregated", 2, rollout_devices=1, reference_on_rollout=0.5))
+    assert half.reference == pytest.approx(full / 2)
+    assert half.rollout_side == pytest.approx(home.rollout_side + full / 2)
+    slow_gen = CostParams(gen_token_s=0.03, gen_step_s=0.01, ref_token_s=0.0007, train_token_s=0.002)
+    bound = phase_times(slow_gen, w, Layout("disaggregated", 2, rollout_devices=1, reference_on_rollout=None))
+    assert bound.reference == pytest.approx(full) and bound.step == pytest.approx(bound.rollout_side)
+
+
+def test_fit_reads_the_reference_cost_from_the_rows_the_training_devices_passed():
+    """Steps whose workers scored some rows: `time/reference` covers the rest only, and the fit
+    still recovers the per-token cost (and composes the measured step)."""
+    rng = random.Random(3)
+    obs = []
+    for _ in range(12):
+        given = rng.choice([0.0, 0.25, 0.5, 0.8])
+        tokens = rng.uniform(3000, 6000)
+        metrics = {"tokens/generated": tokens * 0.9, "response/length_mean": 150.0, "response/length_max": 256.0,
+                   "tokens/trained": tokens, "reference/given_frac": given,
+                   "time/reference": TRUE.ref_token_s * tokens * (1 - given),
+                   "time/train": TRUE.train_fixed_s + TRUE.train_token_s * tokens,
+                   "time/rollout": 1.0 + 0.0004 * tokens, "time/weight_sync": 0.5, "time/reward": 0.01,
+                   "time/step": 5.0}
+        obs.append(StepObservation(Layout("disaggregated", 2, rollout_devices=1), 8e7, metrics))
+    res = fit(obs)
+    assert res.params.ref_token_s == pytest.approx(TRUE.ref_token_s, rel=1e-3)

@@ -22,9 +22,10 @@ SLOW_DECODE = replace(TRUE, gen_step_s=0.6)  # the shift: every decode step 30×
 
 
 def cfg(**placement):
+    # the reference pass stays with the training pool (what `measured` simulates)
     return parse_config({"train": {"max_steps": 200, "batch_size": 16}, "rollout": {"n": 8},
                          "placement": {"mode": "auto", "devices": 2, "profile_steps": 4,
-                                       "replan_every": 10, **placement}})
+                                       "replan_every": 10, "reference_on_rollout": 0, **placement}})
 
 
 def measured(params: CostParams, layout: Layout, rng: random.Random, *,

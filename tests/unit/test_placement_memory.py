@@ -38,6 +38,11 @@ def test_estimate_puts_each_role_on_its_devices():
     assert colo is not None and dis is not None
     assert set(colo.devices) == {"train+rollout"} and set(dis.devices) == {"train", "rollout"}
     assert "kv_cache" in dis.devices["rollout"] and "kv_cache" not in dis.devices["train"]
+    # the rollout worker holds a copy of the reference for its share of the reference pass
+    assert dis.devices["rollout"]["reference"] == dis.devices["train"]["reference"]
+    home = estimate_memory(_cfg(mode="disaggregated", device_memory_gb=8, reference_on_rollout=0))
+    assert home is not None and "reference" not in home.devices["rollout"]
+    assert sum(home.devices["rollout"].values()) < sum(dis.devices["rollout"].values())
     assert "reference" in dis.devices["train"] and "optimizer" in dis.devices["train"]
     assert colo.peak_bytes > dis.peak_bytes
     assert colo.parts["kv_cache"] == 1.0 * GiB

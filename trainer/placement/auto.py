@@ -49,6 +49,7 @@ from trainer.placement.cost_model import (
     PhaseTimes,
     StepObservation,
     fit,
+    layout_reference_share,
     measured_phase,
     phase_times,
 )
@@ -68,7 +69,8 @@ def _colocate(cfg: TrainerConfig) -> list[Layout]:
 
 def _disaggregated(cfg: TrainerConfig) -> list[Layout]:
     d = cfg.placement.devices
-    return [Layout("disaggregated", d, rollout_devices=r, staleness=cfg.placement.staleness)
+    return [Layout("disaggregated", d, rollout_devices=r, staleness=cfg.placement.staleness,
+                   reference_on_rollout=layout_reference_share(cfg))
             for r in range(1, d)]
 
 

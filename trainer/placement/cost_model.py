@@ -137,6 +137,9 @@ class Layout:
     rollout_devices: int | None = None  # disaggregated: the rollout pool (default half)
     reward_devices: int | None = None  # partial_colocate: devices that also score (default 1)
     staleness: int = 1
+    # disaggregated: the rollout workers' share of the reference pass (`placement.reference_on_rollout`);
+    # None: the share that evens the two sides (auto), 0: the training pool runs all of it
+    reference_on_rollout: float | None = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -264,14 +267,43 @@ def phase_times(p: CostParams, w: Workload, layout: Layout) -> PhaseTimes:
     # disaggregated: the rollout pool generates step t+1 while the training pool trains step t
     reward = score_all / T
     sync_push = _sync(p, w.param_bytes, local=False)
-    rollout_side = gen + sync_push  # the workers load the new weights between rollouts
-    train_side = reward + ref + train + sync_push
+    # the workers' share of the reference pass: on R devices, for the T training devices' tokens
+    ref_worker = ref * T / R
+    share = _reference_share(layout, gen + sync_push, reward + ref + train + sync_push, ref, ref_worker)
+    ref_here = ref * (1.0 - share)
+    rollout_side = gen + sync_push + share * ref_worker  # the workers load the new weights between rollouts
+    train_side = reward + ref_here + train + sync_push
     if layout.staleness >= 1:
         step = max(rollout_side, train_side) + p.overhead_s
     else:
         step = rollout_side + train_side + p.overhead_s
-    return PhaseTimes(gen, reward, ref, train, sync_push, 0.0, p.overhead_s, step,
+    return PhaseTimes(gen, reward, ref_here, train, sync_push, 0.0, p.overhead_s, step,
                       rollout_side=rollout_side, train_side=train_side)
+
+
+def _reference_share(layout: Layout, rollout_side: float, train_side: float, ref: float,
+                     ref_worker: float) -> float:
+    """The share of the reference pass the rollout workers run: the layout's, or (None) the one
+    that evens the two sides, ``rollout_side + f ref_worker = train_side - f ref`` within [0, 1]
+    (trainer.controller.ReferenceSplit measures it as the run goes)."""
+    if layout.mode != "disaggregated" or layout.staleness < 1 or ref <= 0:
+        return 0.0
+    if layout.reference_on_rollout is not None:
+        return layout.reference_on_rollout
+    return min(1.0, max(0.0, (train_side - rollout_side) / (ref + ref_worker)))
+
+
+def layout_reference_share(cfg: Any) -> float | None:
+    """`placement.reference_on_rollout` as a Layout takes it (None: auto; 0 where auto keeps 0)."""
+    setting = cfg.placement.reference_on_rollout
+    if setting == "auto":
+        kind = cfg.placement.device_type
+        if kind == "auto":
+            import torch
+
+            kind = "gpu" if torch.cuda.is_available() else "cpu"
+        return 0.0 if kind == "gpu" else None
+    return float(setting)
 
 
 def predict_step_time(p: CostParams, w: Workload, layout: Layout) -> float:
@@ -390,9 +422,11 @@ def fit(obs: list[StepObservation], *, prior: CostParams | None = None,
     rows = [[o.samples / o.layout.train_pool] for o in obs]
     (p.reward_sample_s,) = _nnls(rows, [o.get("time/reward") for o in obs])
     # reference and training, per device
+    # (the training devices' pass covers the rows that came without the workers' log-probs)
     with_ref = [o for o in obs if o.get("time/reference") > 0]
     if with_ref:
-        (p.ref_token_s,) = _nnls([[o.get("tokens/trained") / o.layout.train_pool] for o in with_ref],
+        (p.ref_token_s,) = _nnls([[o.get("tokens/trained") / o.layout.train_pool * _ref_here(o)]
+                                  for o in with_ref],
                                  [o.get("time/reference") for o in with_ref])
     rows, ys = [], []
     for o in obs:
@@ -494,6 +528,11 @@ def measured_phase(o: StepObservation, phase: str) -> float:
     return o.get(f"time/{phase}")
 
 
+def _ref_here(o: StepObservation) -> float:
+    """Of an observed step's reference pass, the share the training devices ran."""
+    return 1.0 - o.get("reference/given_frac")
+
+
 def _phases_of(p: CostParams, o: StepObservation) -> PhaseTimes:
     """Phase times of one observed step, from its own measured lengths and token counts."""
     L = o.layout
@@ -507,7 +546,10 @@ def _phases_of(p: CostParams, o: StepObservation) -> PhaseTimes:
     reward = p.reward_sample_s * o.samples / L.scoring_pool
     if L.mode == "disaggregated":
         sync = _sync(p, o.param_bytes, local=False)
-        rollout_side, train_side = gen + sync, reward + ref + train + sync
+        # the workers ran the rest of the reference pass (on their R devices) after generating
+        moved = p.ref_token_s * o.get("tokens/trained") / R * o.get("reference/given_frac")
+        ref *= _ref_here(o)
+        rollout_side, train_side = gen + sync + moved, reward + ref + train + sync
         core = max(rollout_side, train_side) if L.staleness >= 1 else rollout_side + train_side
         return PhaseTimes(gen, reward, ref, train, sync, 0.0, p.overhead_s, core + p.overhead_s,
                           rollout_side=rollout_side, train_side=train_side)
@@ -574,7 +616,8 @@ class OnlineFit:
             return None
         return cls(Layout(p.mode, p.devices, rollout_devices=p.rollout_devices,
                           reward_devices=p.reward_devices if p.mode == "partial_colocate" else None,
-                          staleness=p.staleness),
+                          staleness=p.staleness,
+                          reference_on_rollout=layout_reference_share(cfg) if p.mode == "disaggregated" else 0.0),
                    param_bytes=shape.params * DTYPE_BYTES[cfg.model.dtype],
                    link=config_link_calibration(cfg))
 

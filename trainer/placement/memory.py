@@ -224,6 +224,11 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
     if mode == "disaggregated":
         devices["train"] = {**runtime, **train}
         devices["rollout"] = {**runtime, **sampler}
+        share = cfg.placement.reference_on_rollout
+        if "reference" in train and share != 0 and not (share == "auto" and dt == "gpu"):
+            # the worker's copy of the frozen reference, and one micro-batch's forward through it
+            devices["rollout"]["reference"] = weights
+            devices["rollout"]["reference_activations"] = mb * cfg.rollout.max_new_tokens * 4 * shape.vocab
     elif mode == "partial_colocate":
         # the reward model lives only on the scoring devices, in a scorer process of its own
         reward_model = train.pop("reward_model", 0.0)

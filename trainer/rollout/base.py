@@ -28,6 +28,9 @@ class Sample:
     logprobs: list[float]
     finish_reason: FinishReason
     extra: dict[str, object] = field(default_factory=dict)
+    # the frozen reference's log-prob of each response token, when a rollout worker computed it
+    # (`placement.reference_on_rollout`); None: the learner's reference pass computes it
+    ref_logprobs: list[float] | None = None
 
 
 class RolloutEngine(Protocol):
