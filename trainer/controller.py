@@ -211,15 +211,18 @@ class ReferenceSplit:
     Disaggregated, a step lasts as long as the busier side: a worker's generation (R) plus its
     reference log-probs for a share ``f`` of its samples, or the training rank's work (W) plus the
     reference pass over the rest. With ``a`` and ``b`` the seconds per sample of a reference pass
-    on a worker and on the training rank, ``m`` workers of ``N`` samples each feeding this rank:
-    ``R + a f N = W + b m N (1 - f)``, so ``f = (W + b m N - R) / (N (a + b m))``, within [0, 1].
+    on a worker and on the training rank, ``m`` workers of ``N`` samples each feeding this rank,
+    each worker serving ``k`` ranks in turn (a rollout pool smaller than the training pool):
+    ``k (R + a f N) = W + b m N (1 - f)``, so ``f = (W + b m N - k R) / (N (k a + b m))``, within
+    [0, 1].
     The inputs are the last steps' measured phase times (halfway averages); `auto` starts at 0
     and skips the first ``warmup`` steps (first engine calls, an empty prefetch queue).
     """
 
     def __init__(self, setting: float | str, *, trainer_cores: float, worker_cores: float,
-                 warmup: int = 1):
+                 warmup: int = 1, ranks_per_worker: int = 1):
         self.auto = setting == "auto"
+        self.k = max(1, ranks_per_worker)
         self.share = 0.0 if self.auto else float(setting)
         self.core_ratio = trainer_cores / max(worker_cores, 1e-9)
         self.est: dict[str, float] = {}
@@ -249,8 +252,8 @@ class ReferenceSplit:
         a = self.est.get("a", b * self.core_ratio if b is not None else None)
         if a is None or b is None:
             return self.share
-        n, m = float(worker_rows), float(workers)
-        f = (self.est["W"] + b * m * n - self.est["R"]) / (n * (a + b * m))
+        n, m, k = float(worker_rows), float(workers), float(self.k)
+        f = (self.est["W"] + b * m * n - k * self.est["R"]) / (n * (k * a + b * m))
         self.share = min(1.0, max(0.0, f))
         return self.share
 
@@ -408,8 +411,13 @@ class ControllerLoop:
             has = self._reference_out and (bool(self.rollout_workers) or self.weight_sync.broadcaster is not None)
             self._reference_out = self.learner.all_reduce_max(int(has)) > 0
         if self._reference_out and self.rollout_workers:
+            # a rollout pool smaller than the training pool: ranks share workers round-robin
+            # (trainer/placement/disaggregated.py), each worker serving its ranks' calls in turn
+            pool = cfg.rollout_pool_size
+            sharing = len(range(self.rank % pool, self.world, pool)) if 0 < pool < self.world else 1
             self.reference_split = ReferenceSplit(setting, trainer_cores=self.cores,
-                                                  worker_cores=cfg.placement.cpus_per_device)
+                                                  worker_cores=cfg.placement.cpus_per_device,
+                                                  ranks_per_worker=sharing)
         if resume is not None and mine is not None:
             ckpt.set_rng_state(mine["rng"])  # last: building an engine reseeds torch
 

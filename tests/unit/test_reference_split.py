@@ -72,3 +72,15 @@ def test_a_fixed_share_is_kept_whatever_the_times():
     split = ReferenceSplit(0.25, trainer_cores=1, worker_cores=1)
     assert _step(split, gen=1.0, other=20.0, per_row_worker=0.1, per_row_trainer=0.1) == 0.25
     assert split.rows(32) == 8 and split.rows(3) == 1
+
+
+def test_a_worker_shared_by_two_ranks_takes_a_share_that_evens_its_two_calls_with_each_rank():
+    # 3 devices: one worker serves both training ranks' rollouts, one after the other
+    split = ReferenceSplit("auto", trainer_cores=1, worker_cores=1, warmup=0, ranks_per_worker=2)
+    for _ in range(6):
+        share = _step(split, gen=4.0, other=10.0, per_row_worker=0.1, per_row_trainer=0.1, rows=16)
+    # 2 (4 + 1.6 f) = 10 + 1.6 (1 - f)  ->  f = 3.6 / 4.8
+    assert share == pytest.approx(0.75, abs=0.03)
+    worker = 2 * (4.0 + 0.1 * split.rows(16))
+    rank = 10.0 + 0.1 * (16 - split.rows(16))
+    assert abs(worker - rank) < 0.35
