@@ -37,6 +37,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import TrainerConfig, parse_config
 from trainer.host_memory import steady_heap
 from trainer.learner import DataParallelGroup, Learner, RLBatch
+from trainer.placement.cost_model import evening_share
 from trainer.rollout.decode_delay import apply_decode_delay
 from trainer.sampling import DynamicSampler, Group
 from trainer.telemetry import DeviceMonitor, PhaseRecorder
@@ -253,8 +254,8 @@ class ReferenceSplit:
         if a is None or b is None:
             return self.share
         n, m, k = float(worker_rows), float(workers), float(self.k)
-        f = (self.est["W"] + b * m * n - k * self.est["R"]) / (n * (k * a + b * m))
-        self.share = min(1.0, max(0.0, f))
+        self.share = evening_share(k * self.est["R"], self.est["W"] + b * m * n,
+                                   moved_to_rollout=k * a * n, moved_from_train=b * m * n)
         return self.share
 
     def rows(self, samples: int) -> int:
@@ -405,11 +406,11 @@ class ControllerLoop:
         setting = cfg.placement.reference_on_rollout
         self.reference_split: ReferenceSplit | None = None
         self._worker_step: dict[str, float] = {}
-        self._reference_out = (self.learner.reference is not None and setting != 0
-                               and not (setting == "auto" and self.device_type == "gpu"))
-        if self.world > 1:  # every rank takes part in the reference's broadcast (sharded: gathers)
-            has = self._reference_out and (bool(self.rollout_workers) or self.weight_sync.broadcaster is not None)
-            self._reference_out = self.learner.all_reduce_max(int(has)) > 0
+        wanted = (self.learner.reference is not None and setting != 0
+                  and not (setting == "auto" and self.device_type == "gpu")
+                  and (bool(self.rollout_workers) or self.weight_sync.broadcaster is not None))
+        # every rank takes part in the reference's broadcast (sharded: its gathers)
+        self._reference_out = self.learner.all_reduce_max(int(wanted)) > 0 if self.world > 1 else wanted
         if self._reference_out and self.rollout_workers:
             # a rollout pool smaller than the training pool: ranks share workers round-robin
             # (trainer/placement/disaggregated.py), each worker serving its ranks' calls in turn

@@ -44,7 +44,7 @@ from trainer.config import TrainerConfig
 from trainer.precision import cpu_native_bf16
 
 __all__ = ["DataParallelGroup", "FrozenReference", "Learner", "RLBatch", "ResponseLogprobs", "ValueModel",
-           "apply_fsdp", "chunk_logprobs", "reference_logprobs", "response_layout",
+           "apply_fsdp", "chunk_logprobs", "response_layout",
            "lr_lambda"]
 
 
@@ -310,22 +310,6 @@ def chunk_logprobs(run: ResponseLogprobs, ids: Tensor, attn: Tensor, index: Tens
     (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows)
     lp, ent = run(c_ids, c_attn, c_index, **kwargs)
     return F.pad(lp, (0, pad)), (F.pad(ent, (0, pad)) if ent is not None else None)
-
-
-def reference_logprobs(run: ResponseLogprobs, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                       *, pad_id: int, device: torch.device | str, max_rows: int, max_tokens: int | None,
-                       temperature: float, autocast: contextlib.AbstractContextManager[Any]
-                       ) -> list[list[float]]:
-    """The log-probs of each response token under a frozen model (``run``), micro-batched as the
-    learner's own reference pass is: what a rollout worker computes beside its sampler
-    (`placement.reference_on_rollout`), one list per response."""
-    ids, attn, index, mask = response_layout(prompt_ids, response_ids, pad_id, device)
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    with torch.no_grad(), autocast:
-        for c in micro_batches(attn.sum(dim=1), max_rows, max_tokens):
-            out[c] = chunk_logprobs(run, ids, attn, index, mask, c, temperature=temperature)[0]
-    out = out.cpu()
-    return [out[i, : len(r)].tolist() for i, r in enumerate(response_ids)]
 
 
 def micro_batches(lengths: Tensor, max_rows: int, max_tokens: int | None = None) -> list[Tensor]:
@@ -602,10 +586,14 @@ class FrozenReference:
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         precision = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
                      if self.autocast_dtype is not None else contextlib.nullcontext())
-        return reference_logprobs(self.run, [list(p) for p in prompt_ids], responses, pad_id=self.pad_id,
-                                  device=self.device, max_rows=cfg.train.micro_batch_size,
-                                  max_tokens=cfg.train.micro_batch_tokens, temperature=temp,
-                                  autocast=precision)
+        ids, attn, index, mask = response_layout([list(p) for p in prompt_ids], responses, self.pad_id,
+                                                 self.device)
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        with torch.no_grad(), precision:
+            for c in micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens):
+                out[c] = chunk_logprobs(self.run, ids, attn, index, mask, c, temperature=temp)[0]
+        out = out.cpu()
+        return [out[i, : len(r)].tolist() for i, r in enumerate(responses)]
 
 
 class Learner:
@@ -1118,9 +1106,9 @@ class Learner:
         out = out.to(self.device)
         if len(todo) == rows:
             return out, chunks
-        left = torch.tensor(todo, dtype=torch.long, device=attn.device)
         if not todo:
             return out, []
+        left = torch.tensor(todo, dtype=torch.long, device=attn.device)
         cfg = self.cfg.train
         return out, [left[c] for c in micro_batches(attn[left].sum(dim=1), cfg.micro_batch_size,
                                                     cfg.micro_batch_tokens)]

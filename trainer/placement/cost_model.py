@@ -290,7 +290,18 @@ def _reference_share(layout: Layout, rollout_side: float, train_side: float, ref
         return 0.0
     if layout.reference_on_rollout is not None:
         return layout.reference_on_rollout
-    return min(1.0, max(0.0, (train_side - rollout_side) / (ref + ref_worker)))
+    return evening_share(rollout_side, train_side, moved_to_rollout=ref_worker, moved_from_train=ref)
+
+
+def evening_share(rollout_side: float, train_side: float, *, moved_to_rollout: float,
+                  moved_from_train: float) -> float:
+    """The share ``f`` of a piece of work, costing ``moved_to_rollout`` on the rollout side and
+    ``moved_from_train`` on the training side, whose move evens the two sides:
+    ``rollout_side + f moved_to_rollout = train_side - f moved_from_train``, within [0, 1]."""
+    total = moved_to_rollout + moved_from_train
+    if total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (train_side - rollout_side) / total))
 
 
 def layout_reference_share(cfg: Any) -> float | None:
