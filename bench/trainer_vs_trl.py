@@ -22,9 +22,11 @@ Opt-in case suffixes (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,yatt-col
 (trainer/host_memory.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
 share one vLLM engine sharded over their cores instead of an engine each); `-refhome`, with
 `placement.reference_on_rollout: 0` (disaggregated: the training rank runs the whole reference
-pass, the A/B of the rollout worker taking a share of it).
-Steps per case are few (shared CPUs): medians and samples/s skip each case's first step
-(its warm-up, and a compiled case's compile), whose time is its own column.
+pass, the A/B of the rollout worker taking a share of it); `-wide`, one device holding both
+cores (one controller, its engine and learner threaded over both) instead of two of a core each.
+Steps per case: 20 on the short workload and 6 on the generation-heavy one (the issue's runs;
+`--steps` sets both); medians and samples/s skip each case's first step (its warm-up, and a
+compiled case's compile), whose time is its own column.
 """
 
 from __future__ import annotations
@@ -53,12 +55,15 @@ SECTION = "trainer_vs_trl"
 
 
 def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, balance: bool = True,
-                tensor_parallel: int = 1, reference_on_rollout: float | str = "auto") -> dict:
+                tensor_parallel: int = 1, reference_on_rollout: float | str = "auto",
+                devices: int = 2) -> dict:
     """``compiled``: `train.compile` and `rollout.compile` (opt-in: faster steps for a slower start);
     ``balance``: `train.balance_ranks` (the default: groups dealt across ranks by tokens);
     ``tensor_parallel``: `rollout.tensor_parallel_size` (one engine sharded over that many controllers);
     ``reference_on_rollout``: `placement.reference_on_rollout` (disaggregated: the rollout
-    worker's share of the reference pass; the default, auto, balances it from phase times)."""
+    worker's share of the reference pass; the default, auto, balances it from phase times);
+    ``devices``: 2 devices of a core each, or 1 device holding every core (its controller's engine
+    and learner threaded over all of them)."""
     return {
         "model": {"path": str(MODEL), "preset": "small"},
         "data": {"task": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+"]}},
@@ -70,8 +75,8 @@ def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, bala
                   "balance_ranks": balance},
         "rollout": {"engine": "vllm", "n": N, "max_new_tokens": tokens, "temperature": 1.0,
                     "compile": compiled, "tensor_parallel_size": tensor_parallel},
-        "placement": {"mode": mode, "devices": 2, "device_type": "cpu",
-                      "reference_on_rollout": reference_on_rollout},
+        "placement": {"mode": mode, "devices": devices, "device_type": "cpu",
+                      "cpus_per_device": 2 // devices, "reference_on_rollout": reference_on_rollout},
         "checkpoint": {"every_steps": 10_000, "export_final": False},
         "eval": {"size": 8},
         "seed": 0,
@@ -88,6 +93,9 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     # -tp2: the controllers share one vLLM engine sharded over their devices
     tensor_parallel = 2 if mode.endswith("-tp2") else 1
     mode = mode.removesuffix("-tp2")
+    # -wide: one device holding both cores (one controller, its engine and learner on 2 threads)
+    devices = 1 if mode.endswith("-wide") else 2
+    mode = mode.removesuffix("-wide")
     # -refhome: the training rank runs the whole reference pass (placement.reference_on_rollout: 0)
     reference_on_rollout: float | str = 0 if mode.endswith("-refhome") else "auto"
     mode = mode.removesuffix("-refhome")
@@ -98,7 +106,7 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
         cfg_path = Path(tmp) / "cfg.yaml"
         cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled, balance, tensor_parallel,
-                                                       reference_on_rollout)))
+                                                       reference_on_rollout, devices)))
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "backend.cli", "train", str(cfg_path), "--out", str(run_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600, env=env)
@@ -396,7 +404,8 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=None, help="steps per case (default 6)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per case (default 20 on a short workload, 6 on a generation-heavy one)")
     ap.add_argument("--workloads", default="32,256", help="new tokens per sample, comma-separated")
     ap.add_argument("--cases", default="yatt-colocate,yatt-colocate-unbalanced,yatt-colocate-compiled,"
                     "yatt-disaggregated,trl,"
@@ -450,9 +459,12 @@ def main() -> None:
     tmp = a.report_from or Path(tempfile.mkdtemp(prefix="vs-trl-"))
     print(f"case results in {tmp}", flush=True)
     for tokens in [int(t) for t in a.workloads.split(",")]:
-        # 6: medians of 5 steps, so that a compiled case's one recompile (the first new length,
-        # usually step 2) or a step's oneDNN kernel creation for new batch shapes does not set them
-        steps = a.steps or 6
+        # the issue's own runs: 20 steps short, 6 generation-heavy. Medians skip the first step; a
+        # compiled case's one recompile (the first new length, usually step 2) and the oneDNN
+        # kernels created for each new batch shape in the next few steps still weigh on a median
+        # of 5 (short, AVX2-only EPYC, 2026-12-03: yatt-colocate 3.46 s over steps 2-6 of 6,
+        # 2.50 s over steps 2-16 of 16, while TRL's moved from 2.88 to 3.25 s)
+        steps = a.steps or (20 if tokens <= 64 else 6)
         name = "short" if tokens <= 64 else "generation-heavy"
         print(f"== {name}: {PROMPTS} prompts x {N} samples x {tokens} new tokens, {steps} steps", flush=True)
         runs: dict[str, list[dict]] = {case: [] for case in cases}
