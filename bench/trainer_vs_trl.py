@@ -372,9 +372,13 @@ def limit_at(lim: dict, tokens: float) -> tuple[float, float]:
     while a pass costs about 6 x parameters x tokens. Generation is not scaled: it lasts as many
     decode steps as the longest response (usually the cap), each about as long for fewer rows.
     """
-    scale = tokens / lim["gen_tokens"] if lim.get("gen_tokens") else 1.0
-    passes = (lim["reference"] + lim["train"]) * scale
+    passes = (lim["reference"] + lim["train"]) * work_scale(lim, tokens)
     return lim["generation"] + passes, max(lim["generation"], passes)
+
+
+def work_scale(lim: dict, tokens: float) -> float:
+    """A case's tokens a step over the limit's own draw: what its passes are scaled by."""
+    return tokens / lim["gen_tokens"] if lim.get("gen_tokens") else 1.0
 
 
 def best_limit(runs: list[dict]) -> dict:
@@ -549,7 +553,7 @@ def main() -> None:
                     break
                 # the all-core max assumes the training phase gets every core; this split gives it one
                 dis = sums[case]
-                own = lim["train_device_passes"] * dis["tokens_step"] / lim["gen_tokens"]
+                own = lim["train_device_passes"] * work_scale(lim, dis["tokens_step"])
                 rows.append(f"- {case} splits the {os.cpu_count()} cores into a rollout device "
                             f"and a training device of {lim['train_device_cores']:g} core(s): reference + "
                             f"training pass on that device alone take {lim['train_device_passes']:.2f} s "
@@ -574,14 +578,14 @@ def main() -> None:
                                if step < own else "met" if step <= 1.15 * own else "NOT met"))
         elif lim:
             rows += ["", f"Limit: did not run: {lim.get('error')}"]
-        yatt = [sums[c]["samples_s"] for c in sums if c.startswith("yatt")]
-        trl = [sums[c]["samples_s"] for c in sums if c.startswith("trl")]
+        yatt = [c for c in sums if c.startswith("yatt")]
+        trl = [c for c in sums if c.startswith("trl")]
         if yatt and trl:
-            r = max(yatt) / max(trl)
+            best = max(yatt, key=lambda c: sums[c]["samples_s"])
+            fastest = max(trl, key=lambda c: sums[c]["samples_s"])
+            r = sums[best]["samples_s"] / sums[fastest]["samples_s"]
             goal = 2.0 if tokens > 64 else 1.0
             verdict = "met" if r >= goal else f"NOT met: {goal / r:.2f}× short"
-            fastest = max((c for c in sums if c.startswith("trl")), key=lambda c: sums[c]["samples_s"])
-            best = max((c for c in sums if c.startswith("yatt")), key=lambda c: sums[c]["samples_s"])
             tok_r = sums[best]["gen_tok_s"] / sums[fastest]["gen_tok_s"]
             rows += ["", f"yatt best ({best}) / fastest TRL setting that ran ({fastest}) (samples/s): "
                      f"**{r:.2f}×** (goal ≥ {goal:.1f}×: {verdict})",
