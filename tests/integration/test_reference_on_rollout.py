@@ -99,6 +99,7 @@ def test_a_batch_carrying_reference_logprobs_trains_like_the_learners_own_pass(n
     worker.load(own.iter_named_weights(reference=True))
     refs = worker.logprobs(batch.prompt_ids, batch.response_ids)
     half = [r if i % 2 == 0 else [] for i, r in enumerate(refs)]  # a worker scored some rows only
+    start = {name: t.clone() for name, t in own.policy.state_dict().items()}  # the same in all three
     m_own = own.rl_step(batch)
     m_given = given.rl_step(dataclasses.replace(batch, ref_logprobs=half))
     m_wrong = wrong.rl_step(dataclasses.replace(batch, ref_logprobs=[[x + 0.5 for x in r] for r in half]))
@@ -108,8 +109,17 @@ def test_a_batch_carrying_reference_logprobs_trains_like_the_learners_own_pass(n
     assert m_given["kl/mean"] == pytest.approx(m_own["kl/mean"], rel=1e-4)
     assert m_given["loss/total"] == pytest.approx(m_own["loss/total"], rel=1e-4, abs=1e-6)
     assert abs(m_wrong["kl/mean"] - m_own["kl/mean"]) > 0.05  # the given values are the ones used
-    for (name, a), b in zip(own.policy.state_dict().items(), given.policy.state_dict().values(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} trained apart")
+    # The worker's log-probs match the learner's to float rounding (its passes cut other micro-batch
+    # shapes), and Adam's first update, lr * g / (|g| + eps), turns that into a few percent of an
+    # element's update where its gradient is near eps (an AVX-512 Xeon: 2.4e-5 apart on 1 element of
+    # 16,384): each tensor is compared by how far apart it ends against how far it moved.
+    states = zip(own.policy.state_dict().items(), given.policy.state_dict().values(),
+                 wrong.policy.state_dict().values(), strict=True)
+    for (name, a), b, w in states:
+        moved = float((a - start[name]).norm())
+        assert moved > 0, f"{name} did not train"
+        assert float((a - b).norm()) <= 1e-3 * moved, f"{name} trained apart"
+        assert float((a - w).norm()) >= 0.1 * moved, f"{name}: wrong reference log-probs trained it the same"
 
 
 def test_reference_logprobs_travel_with_their_rows_when_groups_are_dealt():
