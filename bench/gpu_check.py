@@ -3,6 +3,7 @@
     PYTHONPATH=. python bench/gpu_check.py            # one GPU (H200: under 8 minutes)
     PYTHONPATH=. python bench/gpu_check.py --tiny     # CPU, tiny shapes (what the tests run)
     PYTHONPATH=. python bench/gpu_check.py --profile --only Qwen2.5-0.5B   # where a step's time goes
+    PYTHONPATH=. python bench/gpu_check.py --compile  # `train.compile`, beside eager in one run
 
 No Ray, no vLLM, no network: each model is built from a config with random weights (the shapes
 of Qwen2.5-0.5B and Qwen2.5-1.5B, vocabulary included), saved to a temporary directory, and
@@ -14,6 +15,11 @@ one gathered tensor at a time), the peak device memory of each phase next to the
 pre-launch estimate of `trainer/placement/memory.py`, and the device memory the trainer holds
 before and after `Learner.release_device` (what colocate frees for the sampler). Without ``--tiny`` it writes its section
 of docs/benchmarks.md.
+
+``--compile`` trains with ``train.compile`` (each transformer block compiled before FSDP2 shards
+it) and, in the same process and on the same batches, first times the eager learner's step: the
+table gains the eager step, the compiled one's speed-up over it, and the first step's time (the
+compilation).
 
 ``--profile`` skips generation: it runs one training step of each shape under
 ``torch.profiler`` (CPU and CUDA), prints the GPU's busy fraction of the step, the time per phase
@@ -120,13 +126,13 @@ def step_flops(shape: Shape, work: Workload) -> float:
     return 4.0 * forward
 
 
-def _config(model_dir: Path, work: Workload, device_type: str) -> dict:
+def _config(model_dir: Path, work: Workload, device_type: str, compiled: bool = False) -> dict:
     return {
         "model": {"path": str(model_dir), "dtype": "float32"},
         "algorithm": {"name": "grpo", "kl_coef": 0.01},
         "train": {"strategy": "fsdp2", "mixed_precision": "bf16", "gradient_checkpointing": True,
                   "lr": 1e-6, "batch_size": max(1, work.rows // work.gen_n),
-                  "micro_batch_size": work.micro_batch},
+                  "micro_batch_size": work.micro_batch, "compile": compiled},
         # the trained batches' responses (what the memory estimate reads); generation below
         # takes gen_tokens
         "rollout": {"engine": "hf", "n": work.gen_n, "max_new_tokens": work.response_tokens,
@@ -146,6 +152,19 @@ def _batch(work: Workload, vocab_ids: int, step: int):
                    truncated=[True] * work.rows)
 
 
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (each variant of a block's forward is one;
+    `torch._dynamo.reset` does not zero the count)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _peak_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -159,8 +178,12 @@ def _peak(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) -> dict:
-    """Build, train, load into the sampler, generate: the figures of one model shape."""
+def check_model(shape: Shape, work: Workload, device: torch.device, root: Path,
+                compiled: bool = False) -> dict:
+    """Build, train, load into the sampler, generate: the figures of one model shape.
+
+    ``compiled``: train with `train.compile`, after timing the eager learner's steps on the
+    same batches in this process (its median step is ``eager_step_s``)."""
     from trainer.config import parse_config
     from trainer.learner import Learner
     from trainer.placement.memory import GiB, estimate_memory
@@ -169,8 +192,17 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) 
     t0 = time.time()
     model_dir = build_model(shape, root / shape.name)
     device_type = "gpu" if device.type == "cuda" else "cpu"
-    cfg = parse_config(_config(model_dir, work, device_type))
+    cfg = parse_config(_config(model_dir, work, device_type, compiled))
     build_s = time.time() - t0
+    eager_step_s = None
+    graphs_before = _compiled_graphs()
+    if compiled:
+        torch._dynamo.reset()  # the shape before's compiled variants count against this one's limit
+        eager = Learner(parse_config(_config(model_dir, work, device_type)), model_dir, device=str(device))
+        eager_step_s = _timed_steps(eager, work, device, work.steps)
+        del eager
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     avail = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else None
     est = estimate_memory(cfg, device_type=device_type, available_bytes=avail,
                           prompt_tokens=work.prompt_tokens)
@@ -180,18 +212,20 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) 
 
     _peak_reset(device)
     learner = Learner(cfg, model_dir, device=str(device))
-    learner.rl_step(_batch(work, 300, 0))  # untimed: lazy init, allocator warm-up
+    t = time.time()
+    learner.rl_step(_batch(work, 300, 0))  # untimed: lazy init, allocator warm-up, compilation
+    _sync(device)
+    first_step_s = time.time() - t
     _peak_reset(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
     t = time.time()
     tokens = 0.0
+    step_times = []
     for step in range(1, work.steps + 1):
         m = learner.rl_step(_batch(work, 300, step))
         tokens += work.rows * (work.prompt_tokens + work.response_tokens)
         assert math.isfinite(m["loss/total"]), m
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+        _sync(device)
+        step_times.append(time.time() - t - sum(step_times))
     train_s = time.time() - t
     train_peak = _peak(device)
     # colocate: the trainer's state leaves the device while the sampler generates, then returns
@@ -226,6 +260,9 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path) 
         "train_tokens_per_s": tokens / train_s, "step_s": train_s / work.steps,
         "mfu": (flops / train_s / peak) if peak else None,
         "gen_tokens_per_s": generated / gen_s, "weight_sync_s": sync_s,
+        "compiled": compiled, "eager_step_s": eager_step_s, "first_step_s": first_step_s,
+        "median_step_s": sorted(step_times)[len(step_times) // 2],
+        "compiled_graphs": _compiled_graphs() - graphs_before if compiled else None,
         "train_peak_gib": train_peak, "gen_peak_gib": gen_peak, "est_train_gib": est_train,
         "est_total_gib": est.peak_bytes / GiB, "held_gib": held, "released_gib": released,
     }
@@ -329,14 +366,26 @@ def _fmt(v: float | None, spec: str) -> str:
     return format(v, spec[:-1]) + "%" if spec.endswith("%") else format(v, spec)
 
 
+def _compile_cells(r: dict) -> str:
+    if not r.get("compiled"):
+        return "eager | — | — | "
+    return (f"{r['eager_step_s']:.2f} s | {r['eager_step_s'] / r['median_step_s']:.2f}x | "
+            f"{r['first_step_s']:.1f} s ({r['compiled_graphs']} graphs) | ")
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| model | params | trained tok/s | step | MFU | generated tok/s | weight sync | "
+    compiled = any(r.get("compiled") for r in rows)
+    head = ("| model | params | trained tok/s | step | MFU | "
+            + ("eager step | speed-up | first step | " if compiled else "")
+            + "generated tok/s | weight sync | "
             "peak train / estimate (GiB) | peak generate (GiB) | held → released (GiB) |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---|---:|---|\n")
+            "|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if compiled else "")
+            + "---:|---:|---|---:|---|\n")
     body = "".join(
         f"| {r['model']} | {r['params'] / 1e6:,.1f}M | {r['train_tokens_per_s']:,.0f} | "
         f"{r['step_s']:.2f} s | {_fmt(r['mfu'] and 100 * r['mfu'], '.1f%')} | "
-        f"{r['gen_tokens_per_s']:,.0f} | {r['weight_sync_s']:.2f} s | "
+        + (_compile_cells(r) if compiled else "")
+        + f"{r['gen_tokens_per_s']:,.0f} | {r['weight_sync_s']:.2f} s | "
         f"{_fmt(r['train_peak_gib'], '.1f')} / {r['est_train_gib']:.1f} | "
         f"{_fmt(r['gen_peak_gib'], '.1f')} | "
         f"{_fmt(r['held_gib'], '.1f')} → {_fmt(r['released_gib'], '.1f')} |\n" for r in rows)
@@ -348,6 +397,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--tiny", action="store_true", help="CPU and tiny shapes (a functional check)")
     ap.add_argument("--only", action="append", default=[], metavar="MODEL",
                     help="run only these shapes (e.g. Qwen2.5-1.5B); the tiny one always runs first")
+    ap.add_argument("--compile", action="store_true",
+                    help="train with train.compile, beside the eager step timed in the same run")
     ap.add_argument("--profile", action="store_true",
                     help="profile one training step per shape and time it under other settings")
     args = ap.parse_args(argv)
@@ -372,7 +423,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="yatt-gpu-check-") as tmp:
         for shape in shapes:
             try:
-                rows.append(check_model(shape, work, device, Path(tmp)))
+                # the tiny shape checks the path in seconds: eager, whatever the flag
+                rows.append(check_model(shape, work, device, Path(tmp),
+                                        compiled=args.compile and (args.tiny or shape is not TINY)))
             except Exception as exc:  # one shape failing (out of memory, say) keeps the others
                 import traceback
 
@@ -391,14 +444,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from bench.docs_section import write_section
 
         gpu = torch.cuda.get_device_name(0)
-        write_section("gpu_check", (
-            "## GPU check: Learner (FSDP2, bf16) and HF rollout on Qwen2.5 shapes\n\n"
-            f"`PYTHONPATH=. python bench/gpu_check.py` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        flag = " --compile" if args.compile else ""
+        write_section("gpu_check" + flag.replace(" --", "_"), (
+            "## GPU check: Learner (FSDP2, bf16" + (", compiled blocks" if args.compile else "")
+            + ") and HF rollout on Qwen2.5 shapes\n\n"
+            f"`PYTHONPATH=. python bench/gpu_check.py{flag}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{gpu}, torch {torch.__version__}. Random-init models of the Qwen2.5 shapes; "
             f"{work.rows} sequences × ({work.prompt_tokens} prompt + {work.response_tokens} response) "
             f"tokens per step, micro-batches of {work.micro_batch}, gradient checkpointing; "
             f"generation {work.gen_prompts} prompts × {work.gen_n} × {work.gen_tokens} new tokens. "
-            "MFU: model FLOPs (no recompute) against the GPU's dense bf16 peak.\n\n" + table(rows) + "\n"
+            "MFU: model FLOPs (no recompute) against the GPU's dense bf16 peak."
+            + (" Eager step: the same learner uncompiled on the same batches, timed first in this"
+               " process (medians); first step: the compiled learner's first, compilation included."
+               if args.compile else "") + "\n\n" + table(rows) + "\n"
             + "".join(f"- did not run: {f}\n" for f in failed) + ("\n" if failed else "")))
     return rows
 

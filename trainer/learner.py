@@ -108,6 +108,8 @@ class DataParallelGroup:
 GRAD_BUCKET_BYTES = 25 * 2**20
 # False: every gradient all-reduced after the whole backward (the tests compare the two ways)
 OVERLAP_GRAD_ALL_REDUCE = True
+# compiled variants of one transformer block's forward that `train.compile` allows (see Learner)
+COMPILE_VARIANTS = 32
 
 
 class GradientBuckets:
@@ -638,6 +640,12 @@ class Learner:
         if self.reference is not None:
             self._forwards[id(self.reference)] = ResponseLogprobs(self.reference)
         if cfg.train.compile:
+            # every block of every model shares one code object (its class's forward), compiled
+            # once per variant: grad mode, which tensors need grad (policy, frozen reference,
+            # critic), batches of one row. A policy and a reference alone make 8, dynamo's default
+            # limit, past which it falls back to eager without a word
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                       COMPILE_VARIANTS)
             # each block on its own (torchtitan's order: compile, then shard); after the deep
             # copies, so that the reference and critic get compiled functions of their own
             for model in (self.policy, self.reference, self.critic and self.critic.backbone):

@@ -338,6 +338,32 @@ def test_compiled_blocks_train_like_eager_ones(nano):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
+def test_a_compiled_sharded_ppo_learner_runs_every_block_variant_compiled(nano, monkeypatch):
+    """`train.compile` on an FSDP2 PPO learner in bf16 with gradient checkpointing: policy, frozen
+    reference and critic share one block forward, compiled once per variant (grad mode, which
+    tensors need grad, one-row batches): 10 here, past dynamo's default limit of 8, beyond which
+    it runs the rest eagerly without a word. With the limit a hard failure, a step must pass.
+    Dynamo's eager backend: the same guards and recompiles as inductor, without its code
+    generation (seconds instead of a minute)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from trainer import learner as L
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: compile_module(self, backend="eager", **kw))
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    cfg = _cfg(nano, name="ppo", kl_coef=0.05)
+    cfg["train"].update(compile=True, strategy="fsdp2", mixed_precision="bf16", gradient_checkpointing=True)
+    learner = L.Learner(parse_config(cfg), nano)
+    assert math.isfinite(learner.rl_step(_batch(learner, 0, 0, rows=4))["loss/total"])
+    assert counters["stats"]["unique_graphs"] - graphs > 8
+
+
 def test_micro_batches_sort_rows_by_length_and_cap_rows_and_padded_tokens():
     from trainer.learner import in_row_order, micro_batches
 
