@@ -4,6 +4,7 @@
     PYTHONPATH=. python bench/gpu_check.py --tiny     # CPU, tiny shapes (what the tests run)
     PYTHONPATH=. python bench/gpu_check.py --profile --only Qwen2.5-0.5B   # where a step's time goes
     PYTHONPATH=. python bench/gpu_check.py --compile  # `train.compile`, beside eager in one run
+    PYTHONPATH=. python bench/gpu_check.py --offload-optimizer --only Qwen2.5-0.5B  # likewise
 
 No Ray, no vLLM, no network: each model is built from a config with random weights (the shapes
 of Qwen2.5-0.5B and Qwen2.5-1.5B, vocabulary included), saved to a temporary directory, and
@@ -17,9 +18,10 @@ before and after `Learner.release_device` (what colocate frees for the sampler).
 of docs/benchmarks.md.
 
 ``--compile`` trains with ``train.compile`` (each transformer block compiled before FSDP2 shards
-it) and, in the same process and on the same batches, first times the eager learner's step: the
-table gains the eager step, the compiled one's speed-up over it, and the first step's time (the
-compilation).
+it), ``--offload-optimizer`` with ``train.offload_optimizer`` (shards, gradients and AdamW step in
+host memory); with either, the same process first times the plain learner on the same batches: the
+table gains the plain step and its peak memory, the speed-up over it, and the first step's time
+(compilation included).
 
 ``--profile`` skips generation: it runs one training step of each shape under
 ``torch.profiler`` (CPU and CUDA), prints the GPU's busy fraction of the step, the time per phase
@@ -126,13 +128,13 @@ def step_flops(shape: Shape, work: Workload) -> float:
     return 4.0 * forward
 
 
-def _config(model_dir: Path, work: Workload, device_type: str, compiled: bool = False) -> dict:
+def _config(model_dir: Path, work: Workload, device_type: str, variant: dict | None = None) -> dict:
     return {
         "model": {"path": str(model_dir), "dtype": "float32"},
         "algorithm": {"name": "grpo", "kl_coef": 0.01},
         "train": {"strategy": "fsdp2", "mixed_precision": "bf16", "gradient_checkpointing": True,
                   "lr": 1e-6, "batch_size": max(1, work.rows // work.gen_n),
-                  "micro_batch_size": work.micro_batch, "compile": compiled},
+                  "micro_batch_size": work.micro_batch, **(variant or {})},
         # the trained batches' responses (what the memory estimate reads); generation below
         # takes gen_tokens
         "rollout": {"engine": "hf", "n": work.gen_n, "max_new_tokens": work.response_tokens,
@@ -179,11 +181,11 @@ def _peak(device: torch.device) -> float | None:
 
 
 def check_model(shape: Shape, work: Workload, device: torch.device, root: Path,
-                compiled: bool = False) -> dict:
+                variant: dict | None = None) -> dict:
     """Build, train, load into the sampler, generate: the figures of one model shape.
 
-    ``compiled``: train with `train.compile`, after timing the eager learner's steps on the
-    same batches in this process (its median step is ``eager_step_s``)."""
+    ``variant``: `train` settings to check (``{"compile": True}``, say), after timing the plain
+    learner's steps on the same batches in this process (``plain_step_s``, ``plain_peak_gib``)."""
     from trainer.config import parse_config
     from trainer.learner import Learner
     from trainer.placement.memory import GiB, estimate_memory
@@ -192,15 +194,19 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path,
     t0 = time.time()
     model_dir = build_model(shape, root / shape.name)
     device_type = "gpu" if device.type == "cuda" else "cpu"
-    cfg = parse_config(_config(model_dir, work, device_type, compiled))
+    cfg = parse_config(_config(model_dir, work, device_type, variant))
     build_s = time.time() - t0
-    eager_step_s = None
+    compiled = cfg.train.compile
+    plain_step_s = plain_peak = None
     graphs_before = _compiled_graphs()
     if compiled:
         torch._dynamo.reset()  # the shape before's compiled variants count against this one's limit
-        eager = Learner(parse_config(_config(model_dir, work, device_type)), model_dir, device=str(device))
-        eager_step_s = _timed_steps(eager, work, device, work.steps)
-        del eager
+    if variant:
+        plain = Learner(parse_config(_config(model_dir, work, device_type)), model_dir, device=str(device))
+        _peak_reset(device)
+        plain_step_s = _timed_steps(plain, work, device, work.steps)
+        plain_peak = _peak(device)
+        del plain
         if device.type == "cuda":
             torch.cuda.empty_cache()
     avail = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else None
@@ -260,7 +266,8 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path,
         "train_tokens_per_s": tokens / train_s, "step_s": train_s / work.steps,
         "mfu": (flops / train_s / peak) if peak else None,
         "gen_tokens_per_s": generated / gen_s, "weight_sync_s": sync_s,
-        "compiled": compiled, "eager_step_s": eager_step_s, "first_step_s": first_step_s,
+        "variant": variant, "plain_step_s": plain_step_s, "plain_peak_gib": plain_peak,
+        "first_step_s": first_step_s,
         "median_step_s": sorted(step_times)[len(step_times) // 2],
         "compiled_graphs": _compiled_graphs() - graphs_before if compiled else None,
         "train_peak_gib": train_peak, "gen_peak_gib": gen_peak, "est_train_gib": est_train,
@@ -366,25 +373,26 @@ def _fmt(v: float | None, spec: str) -> str:
     return format(v, spec[:-1]) + "%" if spec.endswith("%") else format(v, spec)
 
 
-def _compile_cells(r: dict) -> str:
-    if not r.get("compiled"):
-        return "eager | — | — | "
-    return (f"{r['eager_step_s']:.2f} s | {r['eager_step_s'] / r['median_step_s']:.2f}x | "
-            f"{r['first_step_s']:.1f} s ({r['compiled_graphs']} graphs) | ")
+def _variant_cells(r: dict) -> str:
+    if not r.get("variant"):
+        return "plain | — | — | — | "
+    graphs = f" ({r['compiled_graphs']} graphs)" if r["compiled_graphs"] is not None else ""
+    return (f"{r['plain_step_s']:.2f} s | {_fmt(r['plain_peak_gib'], '.1f')} | "
+            f"{r['plain_step_s'] / r['median_step_s']:.2f}x | {r['first_step_s']:.1f} s{graphs} | ")
 
 
 def table(rows: list[dict]) -> str:
-    compiled = any(r.get("compiled") for r in rows)
+    varied = any(r.get("variant") for r in rows)
     head = ("| model | params | trained tok/s | step | MFU | "
-            + ("eager step | speed-up | first step | " if compiled else "")
+            + ("plain step | plain peak (GiB) | speed-up | first step | " if varied else "")
             + "generated tok/s | weight sync | "
             "peak train / estimate (GiB) | peak generate (GiB) | held → released (GiB) |\n"
-            "|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if compiled else "")
+            "|---|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if varied else "")
             + "---:|---:|---|---:|---|\n")
     body = "".join(
         f"| {r['model']} | {r['params'] / 1e6:,.1f}M | {r['train_tokens_per_s']:,.0f} | "
         f"{r['step_s']:.2f} s | {_fmt(r['mfu'] and 100 * r['mfu'], '.1f%')} | "
-        + (_compile_cells(r) if compiled else "")
+        + (_variant_cells(r) if varied else "")
         + f"{r['gen_tokens_per_s']:,.0f} | {r['weight_sync_s']:.2f} s | "
         f"{_fmt(r['train_peak_gib'], '.1f')} / {r['est_train_gib']:.1f} | "
         f"{_fmt(r['gen_peak_gib'], '.1f')} | "
@@ -398,11 +406,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--only", action="append", default=[], metavar="MODEL",
                     help="run only these shapes (e.g. Qwen2.5-1.5B); the tiny one always runs first")
     ap.add_argument("--compile", action="store_true",
-                    help="train with train.compile, beside the eager step timed in the same run")
+                    help="train with train.compile, beside the plain step timed in the same run")
+    ap.add_argument("--offload-optimizer", action="store_true",
+                    help="train with train.offload_optimizer, beside the plain step timed in the same run")
     ap.add_argument("--profile", action="store_true",
                     help="profile one training step per shape and time it under other settings")
     args = ap.parse_args(argv)
     t0 = time.time()
+    variant = {k: True for k, on in (("compile", args.compile),
+                                     ("offload_optimizer", args.offload_optimizer)) if on} or None
     if args.tiny:
         device, shapes, work = torch.device("cpu"), [TINY], TINY_WORK
     else:
@@ -423,9 +435,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="yatt-gpu-check-") as tmp:
         for shape in shapes:
             try:
-                # the tiny shape checks the path in seconds: eager, whatever the flag
+                # the tiny shape checks the path in seconds: plain, whatever the flags
                 rows.append(check_model(shape, work, device, Path(tmp),
-                                        compiled=args.compile and (args.tiny or shape is not TINY)))
+                                        variant=variant if args.tiny or shape is not TINY else None))
             except Exception as exc:  # one shape failing (out of memory, say) keeps the others
                 import traceback
 
@@ -444,19 +456,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from bench.docs_section import write_section
 
         gpu = torch.cuda.get_device_name(0)
-        flag = " --compile" if args.compile else ""
-        write_section("gpu_check" + flag.replace(" --", "_"), (
-            "## GPU check: Learner (FSDP2, bf16" + (", compiled blocks" if args.compile else "")
+        flags = "".join(f" --{k.replace('_', '-')}" for k in variant or {})
+        what = {"compile": ", compiled blocks", "offload_optimizer": ", optimizer offloaded"}
+        write_section("gpu_check" + flags.replace(" --", "_").replace("-", "_"), (
+            "## GPU check: Learner (FSDP2, bf16" + "".join(what[k] for k in variant or {})
             + ") and HF rollout on Qwen2.5 shapes\n\n"
-            f"`PYTHONPATH=. python bench/gpu_check.py{flag}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"`PYTHONPATH=. python bench/gpu_check.py{flags}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{gpu}, torch {torch.__version__}. Random-init models of the Qwen2.5 shapes; "
             f"{work.rows} sequences × ({work.prompt_tokens} prompt + {work.response_tokens} response) "
             f"tokens per step, micro-batches of {work.micro_batch}, gradient checkpointing; "
             f"generation {work.gen_prompts} prompts × {work.gen_n} × {work.gen_tokens} new tokens. "
             "MFU: model FLOPs (no recompute) against the GPU's dense bf16 peak."
-            + (" Eager step: the same learner uncompiled on the same batches, timed first in this"
-               " process (medians); first step: the compiled learner's first, compilation included."
-               if args.compile else "") + "\n\n" + table(rows) + "\n"
+            + (" Plain step and peak: the learner without the flags above, on the same batches,"
+               " timed first in this process (medians); first step: the checked learner's first"
+               " (compilation included)." if variant else "") + "\n\n" + table(rows) + "\n"
             + "".join(f"- did not run: {f}\n" for f in failed) + ("\n" if failed else "")))
     return rows
 
