@@ -353,15 +353,18 @@ def test_a_compiled_sharded_ppo_learner_runs_every_block_variant_compiled(nano, 
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, **kw: compile_module(self, backend="eager", **kw))
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     cfg = _cfg(nano, name="ppo", kl_coef=0.05)
     cfg["train"].update(compile=True, strategy="fsdp2", mixed_precision="bf16", gradient_checkpointing=True)
-    learner = L.Learner(parse_config(cfg), nano)
-    assert math.isfinite(learner.rl_step(_batch(learner, 0, 0, rows=4))["loss/total"])
-    assert counters["stats"]["unique_graphs"] - graphs > 8
+    # dynamo's own patch (monkeypatch's undo would delete the settings, which hides them for good)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8):
+        try:
+            learner = L.Learner(parse_config(cfg), nano)
+            assert math.isfinite(learner.rl_step(_batch(learner, 0, 0, rows=4))["loss/total"])
+            assert counters["stats"]["unique_graphs"] - graphs > 8
+        finally:
+            torch._dynamo.reset()  # no eager-backend graphs left for a later test's blocks
 
 
 def test_micro_batches_sort_rows_by_length_and_cap_rows_and_padded_tokens():
