@@ -642,8 +642,9 @@ class Learner:
         if cfg.train.compile:
             # every block of every model shares one code object (its class's forward), compiled
             # once per variant: grad mode, which tensors need grad (policy, frozen reference,
-            # critic), batches of one row. A policy and a reference alone make 8, dynamo's default
-            # limit, past which it falls back to eager without a word
+            # critic), batches of one row. Sharded in bf16 with checkpointing, a policy and a
+            # reference make 8 (bench/gpu_check.py), a critic 10: past dynamo's default limit, 8,
+            # it runs the rest eagerly without a word
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                        COMPILE_VARIANTS)
             # each block on its own (torchtitan's order: compile, then shard); after the deep
