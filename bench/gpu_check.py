@@ -168,8 +168,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _peak_reset(device: torch.device) -> None:
+    _sync(device)
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
 
 
@@ -227,11 +227,12 @@ def check_model(shape: Shape, work: Workload, device: torch.device, root: Path,
     tokens = 0.0
     step_times = []
     for step in range(1, work.steps + 1):
+        started = time.time()
         m = learner.rl_step(_batch(work, 300, step))
         tokens += work.rows * (work.prompt_tokens + work.response_tokens)
         assert math.isfinite(m["loss/total"]), m
         _sync(device)
-        step_times.append(time.time() - t - sum(step_times))
+        step_times.append(time.time() - started)
     train_s = time.time() - t
     train_peak = _peak(device)
     # colocate: the trainer's state leaves the device while the sampler generates, then returns
