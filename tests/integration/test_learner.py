@@ -367,6 +367,43 @@ def test_a_compiled_sharded_ppo_learner_runs_every_block_variant_compiled(nano, 
             torch._dynamo.reset()  # no eager-backend graphs left for a later test's blocks
 
 
+def test_a_compiled_learners_greedy_eval_compiles_nothing_and_leaves_its_steps_compiled(nano, monkeypatch):
+    """`train.compile`: the held-out eval decodes with a KV cache, which through the compiled
+    blocks would make a variant per layer and cache state; on a model of 28 blocks that used up
+    dynamo's recompile limit before the first step, whose blocks then ran eagerly. The eval runs
+    the blocks eagerly instead; the step after it still compiles its own. Eager backend."""
+    import dataclasses
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from trainer import learner as L
+    from trainer import models as M
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: compile_module(self, backend="eager", **kw))
+    monkeypatch.setitem(M.PRESETS, "nano", dataclasses.replace(M.PRESETS["nano"], layers=6))
+    cfg = _cfg(nano.parent / "nano-6", name="grpo", kl_coef=0.05)
+    model_dir = ensure_model(parse_config(cfg))
+    cfg["train"]["compile"] = True
+    torch._dynamo.reset()
+    # the limit of a model 28 blocks deep, scaled to these 6 (its eval made 32 variants and more)
+    with torch._dynamo.config.patch(recompile_limit=6, fail_on_recompile_limit_hit=True):
+        try:
+            learner = L.Learner(parse_config(cfg), model_dir)
+            eager = L.Learner(parse_config({**cfg, "train": {**cfg["train"], "compile": False}}),
+                              model_dir)
+            graphs = counters["stats"]["unique_graphs"]
+            prompts = ["12+7=", "3+45=", "60+1="]
+            assert learner.greedy(prompts, max_new_tokens=6) == eager.greedy(prompts, max_new_tokens=6)
+            assert counters["stats"]["unique_graphs"] == graphs
+            assert math.isfinite(learner.rl_step(_batch(learner, 0, 0, rows=4))["loss/total"])
+            assert counters["stats"]["unique_graphs"] > graphs
+        finally:
+            torch._dynamo.reset()
+
+
 def test_micro_batches_sort_rows_by_length_and_cap_rows_and_padded_tokens():
     from trainer.learner import in_row_order, micro_batches
 
