@@ -338,36 +338,44 @@ def test_compiled_blocks_train_like_eager_ones(nano):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
-def test_a_compiled_sharded_ppo_learner_runs_every_block_variant_compiled(nano, monkeypatch):
-    """`train.compile` on an FSDP2 PPO learner in bf16 with gradient checkpointing: policy, frozen
-    reference and critic share one block forward, compiled once per variant (grad mode, which
-    tensors need grad, one-row batches): 10 here, past dynamo's default limit of 8, beyond which
-    it runs the rest eagerly without a word. With the limit a hard failure, a step must pass.
-    Dynamo's eager backend: the same guards and recompiles as inductor, without its code
-    generation (seconds instead of a minute)."""
+@pytest.fixture
+def eager_compile(monkeypatch):
+    """`nn.Module.compile` with dynamo's eager backend: the same guards and recompiles as
+    inductor, without its code generation (seconds instead of a minute); dynamo reset before
+    and after, so that no eager-backend graph is left for a later test's blocks."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    from trainer import learner as L
 
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, **kw: compile_module(self, backend="eager", **kw))
     torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_compiled_sharded_ppo_learner_runs_every_block_variant_compiled(nano, eager_compile):
+    """`train.compile` on an FSDP2 PPO learner in bf16 with gradient checkpointing: policy, frozen
+    reference and critic share one block forward, compiled once per variant (grad mode, which
+    tensors need grad, one-row batches): 10 here, past dynamo's default limit of 8, beyond which
+    it runs the rest eagerly without a word. With the limit a hard failure, a step must pass.
+    Dynamo's eager backend (`eager_compile`)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from trainer import learner as L
+
     graphs = counters["stats"]["unique_graphs"]
     cfg = _cfg(nano, name="ppo", kl_coef=0.05)
     cfg["train"].update(compile=True, strategy="fsdp2", mixed_precision="bf16", gradient_checkpointing=True)
     # dynamo's own patch (monkeypatch's undo would delete the settings, which hides them for good)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8):
-        try:
-            learner = L.Learner(parse_config(cfg), nano)
-            assert math.isfinite(learner.rl_step(_batch(learner, 0, 0, rows=4))["loss/total"])
-            assert counters["stats"]["unique_graphs"] - graphs > 8
-        finally:
-            torch._dynamo.reset()  # no eager-backend graphs left for a later test's blocks
+        learner = L.Learner(parse_config(cfg), nano)
+        assert math.isfinite(learner.rl_step(_batch(learner, 0, 0, rows=4))["loss/total"])
+        assert counters["stats"]["unique_graphs"] - graphs > 8
 
 
-def test_a_compiled_learners_greedy_eval_compiles_nothing_and_leaves_its_steps_compiled(nano, monkeypatch):
+def test_a_compiled_learners_greedy_eval_compiles_nothing_and_leaves_its_steps_compiled(nano, eager_compile,
+                                                                                         monkeypatch):
     """`train.compile`: the held-out eval decodes with a KV cache, which through the compiled
     blocks would make a variant per layer and cache state; on a model of 28 blocks that used up
     dynamo's recompile limit before the first step, whose blocks then ran eagerly. The eval runs
@@ -380,28 +388,20 @@ def test_a_compiled_learners_greedy_eval_compiles_nothing_and_leaves_its_steps_c
     from trainer import learner as L
     from trainer import models as M
 
-    compile_module = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kw: compile_module(self, backend="eager", **kw))
     monkeypatch.setitem(M.PRESETS, "nano", dataclasses.replace(M.PRESETS["nano"], layers=6))
     cfg = _cfg(nano.parent / "nano-6", name="grpo", kl_coef=0.05)
     model_dir = ensure_model(parse_config(cfg))
     cfg["train"]["compile"] = True
-    torch._dynamo.reset()
     # the limit of a model 28 blocks deep, scaled to these 6 (its eval made 32 variants and more)
     with torch._dynamo.config.patch(recompile_limit=6, fail_on_recompile_limit_hit=True):
-        try:
-            learner = L.Learner(parse_config(cfg), model_dir)
-            eager = L.Learner(parse_config({**cfg, "train": {**cfg["train"], "compile": False}}),
-                              model_dir)
-            graphs = counters["stats"]["unique_graphs"]
-            prompts = ["12+7=", "3+45=", "60+1="]
-            assert learner.greedy(prompts, max_new_tokens=6) == eager.greedy(prompts, max_new_tokens=6)
-            assert counters["stats"]["unique_graphs"] == graphs
-            assert math.isfinite(learner.rl_step(_batch(learner, 0, 0, rows=4))["loss/total"])
-            assert counters["stats"]["unique_graphs"] > graphs
-        finally:
-            torch._dynamo.reset()
+        learner = L.Learner(parse_config(cfg), model_dir)
+        eager = L.Learner(parse_config({**cfg, "train": {**cfg["train"], "compile": False}}), model_dir)
+        graphs = counters["stats"]["unique_graphs"]
+        prompts = ["12+7=", "3+45=", "60+1="]
+        assert learner.greedy(prompts, max_new_tokens=6) == eager.greedy(prompts, max_new_tokens=6)
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert math.isfinite(learner.rl_step(_batch(learner, 0, 0, rows=4))["loss/total"])
+        assert counters["stats"]["unique_graphs"] > graphs
 
 
 def test_micro_batches_sort_rows_by_length_and_cap_rows_and_padded_tokens():
