@@ -21,7 +21,8 @@ its section of docs/benchmarks.md; the last line is `ratio: X` = yatt's best sam
 fastest TRL setting that ran, on the generation-heavy workload (the same in tokens/s beside it).
 Opt-in case suffixes (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,yatt-colocate-tp2,limit`):
 `-dynheap`, the same yatt case with `YATT_STEADY_HEAP=0`, glibc's dynamic malloc thresholds
-(trainer/host_memory.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
+(trainer/host_memory.py); `-gloo`, with `YATT_SHM_GRADS=0`, the ranks' gradients averaged
+over gloo instead of in shared memory (trainer/shm_grads.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
 share one vLLM engine sharded over their cores instead of an engine each); `-refhome`, with
 `placement.reference_on_rollout: 0` (disaggregated: the training rank runs the whole reference
 pass, the A/B of the rollout worker taking a share of it); `-wide`, one device holding both
@@ -90,8 +91,14 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     import yaml
 
     # -dynheap: glibc's dynamic malloc thresholds, the A/B of trainer/host_memory.py's steady heap
-    env = {**os.environ, "YATT_STEADY_HEAP": "0"} if mode.endswith("-dynheap") else None
-    mode = mode.removesuffix("-dynheap")
+    env: dict[str, str] | None = None
+    if mode.endswith("-dynheap"):
+        env = {**os.environ, "YATT_STEADY_HEAP": "0"}
+        mode = mode.removesuffix("-dynheap")
+    # -gloo: the ranks' gradients averaged over gloo, the A/B of trainer/shm_grads.py
+    if mode.endswith("-gloo"):
+        env = {**(env or os.environ), "YATT_SHM_GRADS": "0"}
+        mode = mode.removesuffix("-gloo")
     # -tp2: the controllers share one vLLM engine sharded over their devices
     tensor_parallel = 2 if mode.endswith("-tp2") else 1
     mode = mode.removesuffix("-tp2")

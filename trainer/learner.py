@@ -7,8 +7,10 @@ Log-probs are computed at the sampling temperature. Sequences are
 laid out as ``prompt + response`` right-padded to ``L``; per-token tensors are ``[B, L-1]`` in
 next-token order, with ``mask`` marking the response tokens. Gradients are averaged across the
 data-parallel group (``torch.distributed``) before clipping and the optimizer step, so every
-controller holds the same weights after every step; the all-reduce runs during the step's last
-backward, bucket by bucket as DDP does (`GradientBuckets`).
+controller holds the same weights after every step. Ranks on one host (gloo) keep their
+gradients in shared memory and average them there after the backward (trainer/shm_grads.py);
+otherwise the all-reduce runs during the step's last backward, bucket by bucket as DDP does
+(`GradientBuckets`).
 
 With ``train.strategy: fsdp2`` the policy, reference and critic are sharded over the same group
 instead (``fully_shard`` block by block, then the root: `apply_fsdp`); every forward and
@@ -29,7 +31,9 @@ import contextlib
 import copy
 import functools
 import itertools
+import logging
 import math
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +46,14 @@ from torch.nn import functional as F
 from trainer.algorithms import core as A
 from trainer.config import TrainerConfig
 from trainer.precision import cpu_native_bf16
+from trainer.shm_grads import SharedGradients
 
 __all__ = ["DataParallelGroup", "FrozenReference", "Learner", "RLBatch", "ResponseLogprobs", "ValueModel",
            "apply_fsdp", "chunk_logprobs", "response_layout",
            "lr_lambda"]
 
+
+log = logging.getLogger(__name__)
 
 _GROUP_IDS = itertools.count()  # process-group names must be unique within a process
 
@@ -66,7 +73,7 @@ class DataParallelGroup:
         from torch.distributed import distributed_c10d as c10d
 
         timeout = timedelta(seconds=timeout_s)
-        self.rank, self.world, self.backend = rank, world, backend
+        self.rank, self.world, self.backend, self.timeout_s = rank, world, backend, timeout_s
         self.store = dist.TCPStore(master_addr, master_port, world, rank == 0, timeout=timeout)
         # A registered ProcessGroup (not a bare gloo/NCCL backend): FSDP2 and DTensor look their
         # group up by name. Made like torch's own init_process_group makes one, minus the default.
@@ -74,6 +81,7 @@ class DataParallelGroup:
         self.pg, _ = c10d._new_process_group_helper(world, rank, [], backend, self.store,
                                                     group_name=name, timeout=timeout)
         c10d._world.pg_group_ranks[self.pg] = {r: r for r in range(world)}
+        self._keys = itertools.count()  # store keys of what the ranks set up together, in order
 
     def all_reduce(self, t: Tensor, op: str = "sum") -> Tensor:
         """Reduce `t` over the group in place: ``op`` is "sum" or "max"."""
@@ -97,6 +105,11 @@ class DataParallelGroup:
         mesh._pg_registry[self.pg.group_name] = self.pg
         return mesh
 
+    def key(self, name: str) -> str:
+        """A store key for the next thing every rank sets up together (the same on every rank,
+        as long as they set things up in the same order)."""
+        return f"{name}/{next(self._keys)}"
+
     def barrier(self) -> None:
         self.pg.barrier().wait()
 
@@ -108,6 +121,9 @@ class DataParallelGroup:
 GRAD_BUCKET_BYTES = 25 * 2**20
 # False: every gradient all-reduced after the whole backward (the tests compare the two ways)
 OVERLAP_GRAD_ALL_REDUCE = True
+# False: ranks on one host average gradients over gloo too (trainer/shm_grads.py; the tests
+# compare the ways); YATT_SHM_GRADS=0 does the same for a run
+SHARED_MEMORY_GRADS = True
 # compiled variants of one transformer block's forward that `train.compile` allows (see Learner)
 COMPILE_VARIANTS = 32
 
@@ -661,14 +677,36 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.train.lr_schedule, cfg.train.warmup_steps,
                                       cfg.train.max_steps))
-        # replicated ranks average gradients during each step's last backward (FSDP2 reduce-scatters)
-        self.policy_grads: GradientBuckets | None = None
-        self.critic_grads: GradientBuckets | None = None
-        if self.group is not None and not self.sharded and OVERLAP_GRAD_ALL_REDUCE:
-            self.policy_grads = GradientBuckets([p for p in self.policy.parameters() if p.requires_grad],
-                                                self.group)
-            if self.critic is not None:
-                self.critic_grads = GradientBuckets(list(self.critic.parameters()), self.group)
+        # replicated ranks average gradients in shared memory when they share a host, else over
+        # the group during each step's last backward (FSDP2 reduce-scatters them itself)
+        self.policy_grads = self._gradient_reducer(
+            "policy", [p for p in self.policy.parameters() if p.requires_grad])
+        self.critic_grads = (self._gradient_reducer("critic", list(self.critic.parameters()))
+                             if self.critic is not None else None)
+
+    def _gradient_reducer(self, name: str, params: list[nn.Parameter]
+                          ) -> SharedGradients | GradientBuckets | None:
+        """What averages this module's gradients over the replicated ranks. None: nothing to
+        average (one rank; FSDP2 reduce-scatters them itself), or `_all_reduce_grads` after the
+        backward (`OVERLAP_GRAD_ALL_REDUCE` off)."""
+        if self.group is None or self.sharded:
+            return None
+        if SHARED_MEMORY_GRADS and os.environ.get("YATT_SHM_GRADS", "1") != "0":
+            shared, why_not = SharedGradients.open(self.group, params, key=self.group.key(f"yatt-grads-{name}"))
+            if shared is not None:
+                return shared
+            if self.group.rank == 0:
+                log.info("%s gradients averaged over %s, not shared memory: %s", name,
+                         self.group.backend, why_not)
+        return GradientBuckets(params, self.group) if OVERLAP_GRAD_ALL_REDUCE else None
+
+    @staticmethod
+    def _zero_grad(optimizer: torch.optim.Optimizer,
+                   reducer: SharedGradients | GradientBuckets | None) -> None:
+        if isinstance(reducer, SharedGradients):  # the gradients are views of its shared slot
+            reducer.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=True)
 
     def _shard(self) -> None:
         """FSDP2 over the data-parallel group: policy, reference and critic, block by block."""
@@ -820,14 +858,17 @@ class Learner:
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         r_ids = [tok(t, add_special_tokens=False)["input_ids"] + [self.eos_id] for t in targets]
         ids, attn, index, mask = self._layout(p_ids, r_ids)
-        optimizer.zero_grad(set_to_none=True)
+        self._zero_grad(optimizer, self.policy_grads)
         # the full forward, as before: the SFT warm start keeps its numerics (its accuracy jump
         # after a fixed number of steps is sensitive to them; see bench/learn_check.py)
         lp, _ = self._logprobs(self.policy, ids, attn, index, response_only=False)
         loss = -A.masked_mean(lp, mask)  # token-mean cross entropy on the completion
         loss.backward()
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        self._all_reduce_grads(params)
+        if isinstance(self.policy_grads, SharedGradients):
+            self.policy_grads.wait()
+        else:
+            self._all_reduce_grads(params)
         grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
         optimizer.step()
         return {"loss/sft": float(loss.detach()), "grad_norm": float(grad_norm),
@@ -956,9 +997,9 @@ class Learner:
         old_chunks: list[Tensor] = []
         grad_norms: list[float] = []
         for epoch in range(cfg.train.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad(self.optimizer, self.policy_grads)
             if self.critic_opt is not None:
-                self.critic_opt.zero_grad(set_to_none=True)
+                self._zero_grad(self.critic_opt, self.critic_grads)
             for k, c in enumerate(chunks if rows else []):
                 m = mask[c]
                 last = k == len(chunks) - 1  # its backward launches the gradient all-reduce
@@ -1135,7 +1176,7 @@ class Learner:
         return out.to(self.device), has.to(self.device)
 
     def _apply_gradients(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-                         buckets: GradientBuckets | None = None) -> float:
+                         buckets: SharedGradients | GradientBuckets | None = None) -> float:
         """All-reduce, clip and step: the same on every rank, with or without local gradients.
 
         ``buckets``: the all-reduce launched during the last backward, to finish here.

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from trainer.config import parse_config
 from trainer.models import ensure_model
+from trainer.shm_grads import SharedGradients
 
 pytestmark = pytest.mark.slow
 
@@ -120,10 +121,11 @@ def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_p
 
 
 def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str,
-                       overlap: bool) -> None:
-    """An SFT step, then three RL steps of two epochs, rank 1 empty at step 1, with small
-    buckets (the all-reduce is several buckets launched during the backward); records how many
-    each step's last policy backward had launched before `flush`."""
+                       mode: str) -> None:
+    """An SFT step, then three RL steps of two epochs, rank 1 empty at step 1, with gradients
+    averaged in shared memory (``mode`` "shared"), over gloo during the backward in small buckets
+    ("buckets": several launched during the backward) or over gloo after it ("after"); records
+    how many buckets each step's last policy backward had launched before `flush`."""
     from transformers import AutoModelForCausalLM
 
     from trainer import learner as L
@@ -138,15 +140,20 @@ def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
 
     AutoModelForCausalLM.from_pretrained = with_unused_parameter
     torch.set_num_threads(1)
-    L.OVERLAP_GRAD_ALL_REDUCE = overlap
+    L.SHARED_MEMORY_GRADS = mode == "shared"
+    L.OVERLAP_GRAD_ALL_REDUCE = mode == "buckets"
     L.GRAD_BUCKET_BYTES = 32 * 1024
     # collectives out of order across ranks wait for each other: fail in minutes, not ten
     group = L.DataParallelGroup("127.0.0.1", port, rank, 2, timeout_s=120)
     learner = L.Learner(parse_config(cfg_data), model_dir, dist_group=group)
     early: list[int] = []
-    if overlap:
+    if mode == "shared":
+        assert isinstance(learner.policy_grads, SharedGradients)
+        assert isinstance(learner.critic_grads, SharedGradients)
+    if mode == "buckets":
         buckets = learner.policy_grads
-        assert buckets is not None and len(buckets.buckets) > 3
+        assert isinstance(buckets, L.GradientBuckets)
+        assert len(buckets.buckets) > 3
         flush = buckets.flush
 
         def counted_flush() -> None:
@@ -165,12 +172,15 @@ def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
                 "early": early}, out)
 
 
-def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, tmp_path):
-    """Bucketed all-reduce launched mid-backward (`GradientBuckets`) against the blocking one
-    after it: two micro-batches per rank, two epochs per step, a critic, and a rank with an empty
-    batch (it launches every bucket after no backward at all), and a policy parameter without a
-    gradient (its bucket goes after the backward, still before the critic's). A bucket launched on
-    an earlier micro-batch, or out of order across ranks, changes the weights or fails."""
+def test_gradient_averages_in_shared_memory_and_during_backward_train_exactly_like_gloo_after_it(
+        nano, tmp_path):
+    """Gradients averaged in shared memory (`SharedGradients`, the default for ranks on one host)
+    and by a bucketed all-reduce launched mid-backward (`GradientBuckets`) against gloo's blocking
+    all-reduce after the backward: two micro-batches per rank, two epochs per step, a critic, a
+    rank with an empty batch (it averages after no backward at all), and a policy parameter
+    without a gradient (its bucket goes after the backward, still before the critic's). A bucket
+    launched on an earlier micro-batch, out of order across ranks, or a shared slot read before
+    its rank has written it, changes the weights or fails."""
     from safetensors.torch import load_file
 
     cfg_data = _cfg(nano)
@@ -178,24 +188,24 @@ def test_all_reduce_during_backward_trains_exactly_like_the_one_after_it(nano, t
     cfg_data["train"]["balance_ranks"] = False  # rank 1's empty step stays empty
     ctx = mp.get_context("spawn")
     runs = {}
-    for overlap in (True, False):
-        outs = [str(tmp_path / f"{overlap}-rank{r}.pt") for r in range(2)]
+    for mode in ("shared", "buckets", "after"):
+        outs = [str(tmp_path / f"{mode}-rank{r}.pt") for r in range(2)]
         port = _free_port()
         procs = [ctx.Process(target=_overlap_rank_main,
-                             args=(r, port, cfg_data, str(nano), outs[r], overlap)) for r in range(2)]
+                             args=(r, port, cfg_data, str(nano), outs[r], mode)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(timeout=600)
             assert p.exitcode == 0
-        runs[overlap] = [torch.load(o, weights_only=False) for o in outs]
+        runs[mode] = [torch.load(o, weights_only=False) for o in outs]
     # each non-empty step's last backward launched buckets itself, two epochs each
-    assert len(runs[True][0]["early"]) == 6 and len(runs[True][1]["early"]) == 4
-    assert all(n > 0 for r in runs[True] for n in r["early"])
-    reference = runs[False][0]
+    assert len(runs["buckets"][0]["early"]) == 6 and len(runs["buckets"][1]["early"]) == 4
+    assert all(n > 0 for r in runs["buckets"] for n in r["early"])
+    reference = runs["after"][0]
     initial = load_file(str(nano / "model.safetensors"))
     assert any(not torch.equal(t, reference["policy"][n]) for n, t in initial.items()), "nothing trained"
-    for run in runs[True] + runs[False][1:]:
+    for run in runs["shared"] + runs["buckets"] + runs["after"][1:]:
         for module in ("policy", "critic"):
             for name, tensor in run[module].items():
                 assert torch.equal(tensor, reference[module][name]), f"{module} {name} differs"
