@@ -40,6 +40,10 @@ def drop_pg_database(name: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+class ServerExited(RuntimeError):
+    """A server the stack started exited before it answered."""
+
+
 class Stack:
     """Ray head + API + worker as child processes sharing one environment."""
 
@@ -86,14 +90,27 @@ class Stack:
         )
 
     def start(self, name: str) -> None:
-        args = {"api": ["api", "--port", str(self.api_port)], "worker": ["worker"]}[name]
-        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "backend.cli", *args], env=self.env, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        if name == "api":
-            self.wait_http(f"{self.api_url}/healthz", 60)
+        for attempt in range(3):
+            args = {"api": ["api", "--port", str(self.api_port)], "worker": ["worker"]}[name]
+            log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115
+            proc = self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "backend.cli", *args], env=self.env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            if name != "api":
+                return
+            try:
+                self.wait_http(f"{self.api_url}/healthz", 60, proc=proc)
+                return
+            except ServerExited:
+                # its port was free when chosen, and taken since (Ray's head starts in between
+                # and binds ports of its own): another port, unless a worker knows this URL
+                self.procs.pop(name)
+                if attempt == 2 or "worker" in self.procs:
+                    raise
+                self.api_port = free_port()
+                self.api_url = f"http://127.0.0.1:{self.api_port}"
+                self.env["YATT_API_URL"] = self.api_url
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(name)
@@ -118,9 +135,12 @@ class Stack:
         if self.head is not None:
             stop_head(self.head)
 
-    def wait_http(self, url: str, timeout_s: float) -> None:
+    def wait_http(self, url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+        """Until ``url`` answers 200; `ServerExited` if ``proc`` (what serves it) exits first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise ServerExited(f"{url}: its server exited ({proc.returncode}); see logs under {self.root}")
             try:
                 if httpx.get(url, timeout=1).status_code == 200:
                     return
