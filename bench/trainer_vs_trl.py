@@ -128,7 +128,7 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
                    "gen_tokens": r["tokens/generated"], "reward": r.get("reward/mean", 0.0),
                    "phases": {k: r.get(f"time/{k}", 0.0) for k in
                               ("rollout", "reward", "reference", "reference_rollout", "train",
-                               "weight_sync", "idle")},
+                               "weight_sync", "idle", "rank_wait", "grad_sync")},
                    "reference_share": r.get("placement/reference_on_rollout"),
                    "logprob_diff": r.get("rollout/logprob_diff")}
                   for r in rows],
@@ -351,6 +351,17 @@ def run_child(case: str, tokens: int, steps: int, out: Path, timeout: float) -> 
 
 
 # ----------------------------------------------------------------------------- report (parent)
+def _waits(phases: dict[str, float]) -> str:
+    """The part of the training phase spent waiting for the other ranks (each the largest over the
+    ranks, as every `time/` metric): at the step's first meeting, for the last rank's rollout
+    (`time/rank_wait`), and in the gradient average, for the slowest backward plus the reduce
+    itself (`time/grad_sync`)."""
+    rank, grad = phases.get("rank_wait", 0.0), phases.get("grad_sync", 0.0)
+    if rank < 0.005 and grad < 0.005:
+        return ""
+    return f" (of it waiting for the other ranks: their rollout {rank:.2f}, the gradient average {grad:.2f})"
+
+
 def summarize(runs: list[dict]) -> dict | None:
     """One case's figures over its runs (``--repeat``): the timed steps of every run pooled, each
     run's first step left out (it pays for warm-up); the first run's first step and rewards."""
@@ -534,7 +545,9 @@ def main() -> None:
                 continue
             sums[case] = s
             split = ", ".join(f"{k.replace('_rollout', ' on the rollout worker')} {v:.2f}"
-                              for k, v in s["phases"].items() if v > 0.005)
+                              + (_waits(s["phases"]) if k == "train" else "")
+                              for k, v in s["phases"].items()
+                              if v > 0.005 and k not in ("rank_wait", "grad_sync"))
             if s.get("reference_share"):
                 split += f" (its share of the samples {s['reference_share']:.2f})"
             rows.append(f"| {case} | {s['median_step']:.2f} s | {s['samples_s']:.2f} | {s['gen_tok_s']:.0f} | "

@@ -34,6 +34,7 @@ import itertools
 import logging
 import math
 import os
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -690,6 +691,7 @@ class Learner:
             "policy", [p for p in self.policy.parameters() if p.requires_grad])
         self.critic_grads = (self._gradient_reducer("critic", list(self.critic.parameters()))
                              if self.critic is not None else None)
+        self._grad_sync_s = 0.0  # this step's seconds in the gradient average (`_apply_gradients`)
 
     def _gradient_reducer(self, name: str, params: list[nn.Parameter]
                           ) -> SharedGradients | GradientBuckets | None:
@@ -896,6 +898,7 @@ class Learner:
         cfg, algo = self.cfg, self.cfg.algorithm
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         metrics: dict[str, float] = {}
+        self._grad_sync_s = 0.0
         if self.group is not None and self.world_size > 1 and cfg.train.balance_ranks:
             batch, balance = self._balanced(batch)
             metrics.update(balance)
@@ -1073,8 +1076,13 @@ class Learner:
                                       self.critic_grads)
         self.scheduler.step()
         lr = self.scheduler.get_last_lr()[0]
+        if world > 1 and not self.sharded:
+            # seconds in the gradient average after this rank's backward: the reduce itself and the
+            # wait for slower ranks (FSDP2 reduce-scatters inside the backward: nothing to time here)
+            metrics["time/grad_sync"] = self._grad_sync_s
         if not rows:
-            return {"train/empty_batch": 1.0, "lr": lr, "grad_norm": sum(grad_norms) / len(grad_norms)}
+            return {**metrics, "train/empty_batch": 1.0, "lr": lr,
+                    "grad_norm": sum(grad_norms) / len(grad_norms)}
         epochs = cfg.train.ppo_epochs
         metrics.update({k: v / epochs for k, v in sums.items()})
         if self.reference is None:
@@ -1111,9 +1119,11 @@ class Learner:
         ints, floats = _encode_rows(batch) if whole else ([], [])
         head = torch.zeros((world, 3), dtype=torch.int64)
         head[rank] = torch.tensor([len(batch) // n if whole else -1, len(ints), len(floats)])
-        self.group.all_reduce(head)
+        arrived = time.perf_counter()
+        self.group.all_reduce(head)  # the first meeting of the step: here the ranks wait for the last
+        waited = {"time/rank_wait": time.perf_counter() - arrived}
         if bool((head[:, 0] < 0).any()):
-            return batch, {}
+            return batch, waited
         int_at = [0, *torch.cumsum(head[:, 1], 0).tolist()]
         float_at = [0, *torch.cumsum(head[:, 2], 0).tolist()]
         all_ints = torch.zeros(int_at[-1], dtype=torch.int64)
@@ -1144,7 +1154,8 @@ class Learner:
                       staleness=None if all(s < 0 for s in stale) else [max(s, 0) for s in stale],
                       ref_logprobs=[row[6] for row in mine] if any(row[6] for row in mine) else None)
         # the slowest rank's tokens over the mean, as the ranks came and as dealt
-        return out, {"train/rank_load_before": max(before) / mean, "train/rank_load_after": max(after) / mean}
+        return out, {**waited, "train/rank_load_before": max(before) / mean,
+                     "train/rank_load_after": max(after) / mean}
 
     def _given_reference(self, batch: RLBatch, attn: Tensor, mask: Tensor, chunks: list[Tensor]
                          ) -> tuple[Tensor, list[Tensor]]:
@@ -1190,10 +1201,12 @@ class Learner:
         """
         if self.sharded:  # the optimizer's own (sharded) parameters, whatever the module holds now
             params = [p for g in optimizer.param_groups for p in g["params"]]
+        start = time.perf_counter()
         if buckets is not None:
             buckets.wait()
         else:
             self._all_reduce_grads(params)
+        self._grad_sync_s += time.perf_counter() - start
         for p in params:
             if p.grad is None:  # a rank with nothing to train still steps on the averaged grads
                 p.grad = torch.zeros_like(p)

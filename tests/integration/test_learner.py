@@ -213,7 +213,10 @@ def test_gradient_averages_in_shared_memory_and_during_backward_train_exactly_li
 
 def _balance_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str) -> None:
     """Four RL steps on lopsided batches: rank 0 has 5 groups of long responses, rank 1 one group
-    of short ones, and nothing at all at step 2."""
+    of short ones, and nothing at all at step 2. Rank 1 comes to step 0 a second late, as after a
+    slower rollout."""
+    import time
+
     from trainer.learner import DataParallelGroup, Learner, RLBatch
 
     torch.set_num_threads(1)
@@ -222,6 +225,8 @@ def _balance_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
     learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
     metrics = []
     for step in range(4):
+        if rank == 1 and step == 0:
+            time.sleep(1.0)
         if rank == 1 and step == 2:
             batch = RLBatch([], [], [], n=2, truncated=[])
         else:
@@ -263,6 +268,13 @@ def test_ranks_balanced_by_tokens_train_like_the_lopsided_batches(nano, tmp_path
         for k in ("train/rank_load_before", "train/rank_load_after", "grad_norm"):
             assert m[k] == pytest.approx(dealt[1]["metrics"][step][k])
         assert m["grad_norm"] == pytest.approx(lopsided[0]["metrics"][step]["grad_norm"], rel=1e-4)
+    # the wait for peers is measured where it happens: rank 0 waited for the late rank at the
+    # exchange; undealt, the rank with 2 short rows waits for the long ones' backward every step
+    assert dealt[0]["metrics"][0]["time/rank_wait"] > 0.7 > 0.3 > dealt[1]["metrics"][0]["time/rank_wait"]
+    for step in range(4):
+        assert "time/rank_wait" not in lopsided[0]["metrics"][step]
+        assert (lopsided[1]["metrics"][step]["time/grad_sync"]
+                > 2 * lopsided[0]["metrics"][step]["time/grad_sync"] + 0.005), step
     assert "train/empty_batch" not in dealt[1]["metrics"][2]  # the empty rank was dealt groups
     assert lopsided[1]["metrics"][2]["train/empty_batch"] == 1.0
     initial = load_file(str(nano / "model.safetensors"))
