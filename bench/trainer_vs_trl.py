@@ -16,7 +16,8 @@ training pass), at the precision yatt runs (fp32 figures beside them), whose sum
 colocated step and whose max a disaggregated one; each case is judged against it at the case's
 own work too (the passes scaled to the case's tokens a step: the limit's one draw of samples is
 as long or as short as it happens to be, `limit_at`). Prints samples/s, generated tokens/s,
-tokens a step, median step and phase split per case, writes a reward-curve PNG per workload and
+tokens a step, median step and phase split per case (a colocated case's training phase with the
+part of it its ranks waited for each other, `time/rank_wait` and `time/grad_sync`), writes a reward-curve PNG per workload and
 its section of docs/benchmarks.md; the last line is `ratio: X` = yatt's best samples/s over the
 fastest TRL setting that ran, on the generation-heavy workload (the same in tokens/s beside it).
 Opt-in case suffixes (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,yatt-colocate-tp2,limit`):
