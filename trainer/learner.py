@@ -1076,9 +1076,9 @@ class Learner:
                                       self.critic_grads)
         self.scheduler.step()
         lr = self.scheduler.get_last_lr()[0]
-        if world > 1 and not self.sharded:
+        if world > 1:
             # seconds in the gradient average after this rank's backward: the reduce itself and the
-            # wait for slower ranks (FSDP2 reduce-scatters inside the backward: nothing to time here)
+            # wait for slower ranks (FSDP2 reduce-scatters inside the backward: about zero there)
             metrics["time/grad_sync"] = self._grad_sync_s
         if not rows:
             return {**metrics, "train/empty_batch": 1.0, "lr": lr,
