@@ -8,7 +8,8 @@ tokens ("short") and 256 ("generation-heavy"). Cases, each in its own process, o
 other in this one run: yatt colocate and disaggregated on 2 devices (`yatt train`, its default
 precision), each also with its opt-in compilation (`train.compile`, `rollout.compile`; the
 compile time lands in its first step, shown beside the medians), yatt colocate with
-`train.balance_ranks: false` (each rank trains its own groups: the A/B of dealing them by tokens), TRL GRPOTrainer default (HF generate, fp32), on one thread, with its own CPU mixed
+`train.balance_ranks: deal` and `off` (groups dealt across the ranks by tokens at a meeting, and each
+rank training its own groups: the A/B of the default, micro-batches shared through a queue), TRL GRPOTrainer default (HF generate, fp32), on one thread, with its own CPU mixed
 precision (`bf16=True`; skipped on a CPU that would only emulate bf16), and TRL's vLLM colocate mode (recorded if it fails), and the limit: each
 phase alone at its best on all cores (vLLM generating the step's samples, as one engine on every
 core or as an engine per core at once, whichever is faster; the reference pass; one
@@ -58,11 +59,12 @@ MICRO_BATCH_TOKENS = 1024
 SECTION = "trainer_vs_trl"
 
 
-def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, balance: bool = True,
+def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, balance: str = "queue",
                 tensor_parallel: int = 1, reference_on_rollout: float | str = "auto",
                 devices: int = 2) -> dict:
     """``compiled``: `train.compile` and `rollout.compile` (opt-in: faster steps for a slower start);
-    ``balance``: `train.balance_ranks` (the default: groups dealt across ranks by tokens);
+    ``balance``: `train.balance_ranks` (queue, the default: a rank out of work takes the others'
+    micro-batches; deal: groups dealt across ranks by tokens; off: each rank its own rows);
     ``tensor_parallel``: `rollout.tensor_parallel_size` (one engine sharded over that many controllers);
     ``reference_on_rollout``: `placement.reference_on_rollout` (disaggregated: the rollout
     worker's share of the reference pass; the default, auto, balances it from phase times);
@@ -109,9 +111,14 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     # -refhome: the training rank runs the whole reference pass (placement.reference_on_rollout: 0)
     reference_on_rollout: float | str = 0 if mode.endswith("-refhome") else "auto"
     mode = mode.removesuffix("-refhome")
+    # the A/B of train.balance_ranks, in the same run: -dealt (groups dealt by tokens at a meeting)
+    # and -unbalanced (each rank its own rows) against the default, micro-batches shared by a queue
+    balance = "queue"
+    for suffix, setting in (("-dealt", "deal"), ("-unbalanced", "off")):
+        if mode.endswith(suffix):
+            balance, mode = setting, mode.removesuffix(suffix)
     compiled = mode.endswith("-compiled")
-    balance = not mode.endswith("-unbalanced")  # the A/B of train.balance_ranks, in the same run
-    mode = mode.removesuffix("-compiled").removesuffix("-unbalanced")
+    mode = mode.removesuffix("-compiled")
 
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
         cfg_path = Path(tmp) / "cfg.yaml"
@@ -447,7 +454,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None,
                     help="steps per case (default 20 on a short workload, 6 on a generation-heavy one)")
     ap.add_argument("--workloads", default="32,256", help="new tokens per sample, comma-separated")
-    ap.add_argument("--cases", default="yatt-colocate,yatt-colocate-unbalanced,yatt-colocate-compiled,"
+    ap.add_argument("--cases", default="yatt-colocate,yatt-colocate-dealt,yatt-colocate-unbalanced,yatt-colocate-compiled,"
                     "yatt-disaggregated,yatt-disaggregated-compiled,trl,"
                     "trl-1t,trl-bf16,trl-vllm,limit")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per case")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "TrainerConfig",
@@ -122,10 +122,17 @@ class TrainConfig(_Group):
         "responses is not padded to the longest of the batch. None: rows only.",
         examples=[2048],
     )
-    balance_ranks: bool = Field(
-        True, description="Before each update, deal whole prompt groups across the data-parallel "
-        "ranks so that each passes about as many tokens (verl's `balance_batch`): every rank waits "
-        "for the slowest at the gradient all-reduce. The global batch and its loss are unchanged.")
+    balance_ranks: Literal["queue", "deal", "off"] = Field(
+        "queue", description="How the data-parallel ranks share a step's training work; the global "
+        "batch and its loss are the same either way. queue: each rank publishes its rows as its "
+        "rollout ends and starts on its own micro-batches at once; a rank out of work takes the "
+        "next micro-batch of another rank's rows, so no rank waits for another's rollout while "
+        "there is work, nor for the slowest backward (not reproducible bit for bit from run to "
+        "run: which rank sums which micro-batch's gradient depends on timing). It applies to "
+        "GRPO/RLOO with `ppo_epochs: 1`, no KL in the reward and `strategy: ddp`; elsewhere deal. "
+        "deal: before the update, deal whole prompt groups so that each rank passes about as many "
+        "tokens (verl's `balance_batch`). off: each rank trains its own rows. true and false "
+        "mean deal and off.")
     ppo_epochs: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -152,6 +159,11 @@ class TrainConfig(_Group):
         "AVX512-BF16, GPUs with bf16), else fp32. The SFT warm start always runs in fp32. Like "
         "verl's fsdp_config.mixed_precision and OpenRLHF's --bf16. Under fsdp2 it is FSDP2's "
         "MixedPrecisionPolicy (bf16 parameters for compute, fp32 gradient reduction).")
+
+    @field_validator("balance_ranks", mode="before")
+    @classmethod
+    def _balance_from_bool(cls, v: Any) -> Any:
+        return ("deal" if v else "off") if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _offload_needs_fsdp2(self) -> TrainConfig:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -397,6 +398,49 @@ def _decode_rows(ints: list[int], floats: list[float], rows: int) -> list[tuple]
         out.append((p, r, floats[f], bool(trunc), lps, stale, refs))
         f += 1 + llen + rflen
     return out
+
+
+def _batch_of_rows(rows: list[tuple], n: int) -> RLBatch:
+    """An `RLBatch` of `_decode_rows`' rows."""
+    stale = [row[5] for row in rows]
+    return RLBatch(prompt_ids=[row[0] for row in rows], response_ids=[row[1] for row in rows],
+                   scores=[row[2] for row in rows], n=n, truncated=[row[3] for row in rows],
+                   sample_logprobs=[row[4] for row in rows],
+                   staleness=None if all(s < 0 for s in stale) else [max(s, 0) for s in stale],
+                   ref_logprobs=[row[6] for row in rows] if any(row[6] for row in rows) else None)
+
+
+def _pack_rows(batch: RLBatch) -> bytes:
+    """A batch as bytes for the store (`Learner._queued_rl_step`): rows, n, then `_encode_rows`."""
+    ints, floats = _encode_rows(batch)
+    head = np.array([len(batch), batch.n, len(ints), len(floats)], dtype=np.int64)
+    return (head.tobytes() + np.asarray(ints, dtype=np.int64).tobytes()
+            + np.asarray(floats, dtype=np.float64).tobytes())
+
+
+def _unpack_rows(payload: bytes) -> RLBatch:
+    rows, n, n_ints, n_floats = np.frombuffer(payload[:32], dtype=np.int64).tolist()
+    ints = np.frombuffer(payload[32: 32 + 8 * n_ints], dtype=np.int64).tolist()
+    floats = np.frombuffer(payload[32 + 8 * n_ints: 32 + 8 * (n_ints + n_floats)], dtype=np.float64).tolist()
+    return _batch_of_rows(_decode_rows(ints, floats, rows), n)
+
+
+@dataclass
+class _Share:
+    """One rank's rows laid out for training, the same on every rank that takes a micro-batch of
+    them (`Learner._queued_rl_step`)."""
+
+    batch: RLBatch
+    chunks: list[Tensor]
+    ids: Tensor | None = None
+    attn: Tensor | None = None
+    index: Tensor | None = None
+    mask: Tensor | None = None
+    adv: Tensor | None = None  # [B, T] token advantages
+    behaviour: Tensor | None = None
+    has_behaviour: Tensor | None = None
+    ref_lp: Tensor | None = None  # [B, T]: given with the rows, or filled in as micro-batches pass
+    ref_todo: Tensor | None = None  # [B] bool: rows whose reference log-probs did not come with them
 
 
 def in_row_order(chunks: list[Tensor], parts: list[Tensor]) -> Tensor:
@@ -899,7 +943,9 @@ class Learner:
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         metrics: dict[str, float] = {}
         self._grad_sync_s = 0.0
-        if self.group is not None and self.world_size > 1 and cfg.train.balance_ranks:
+        if self._queue_applies():
+            return self._queued_rl_step(batch, recorder)
+        if self.group is not None and self.world_size > 1 and cfg.train.balance_ranks != "off":
             batch, balance = self._balanced(batch)
             metrics.update(balance)
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -923,12 +969,7 @@ class Learner:
             ref_idle = (self.all_reduce_max(len(ref_chunks)) if self.sharded else len(ref_chunks)) - len(ref_chunks)
         kl_old = algo.kl_in_reward and self.reference is not None
         if rows:
-            scores = torch.tensor(batch.scores, dtype=torch.float32, device=self.device)
-            if algo.overlong_penalty > 0:
-                lengths = mask.sum(dim=1)
-                buffer = max(1, cfg.rollout.max_new_tokens // 4)
-                scores = scores + algo.overlong_penalty * A.overlong_penalty(
-                    lengths, cfg.rollout.max_new_tokens, buffer).to(scores.device)
+            scores = self._scores(batch, mask)
             behaviour, has_behaviour = self._behaviour_logprobs(batch, mask)
 
             ref_span = recorder.span("reference") if recorder is not None else contextlib.nullcontext()
@@ -1102,6 +1143,196 @@ class Learner:
         metrics["trained_tokens"] = float(mask.sum())
         return metrics
 
+    def _queue_applies(self) -> bool:
+        """Whether `train.balance_ranks: queue` can take this step (else it deals groups): the
+        loss of a micro-batch must need nothing of the rows outside its rank's own (no critic, no
+        KL in the reward, no advantage whitened over the batch), one optimizer step, and ranks that
+        run their passes apart (under FSDP2 every pass is a collective)."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        return (self.group is not None and self.world_size > 1 and not self.sharded
+                and cfg.train.balance_ranks == "queue" and cfg.train.ppo_epochs == 1
+                and self.critic is None and algo.name in ("grpo", "rloo")
+                and not (algo.kl_in_reward and self.reference is not None))
+
+    def _share(self, batch: RLBatch) -> _Share:
+        """A rank's rows laid out as every rank that trains a micro-batch of them needs them."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        if not len(batch):
+            return _Share(batch, [])
+        ids, attn, index, mask = self._layout(batch.prompt_ids, batch.response_ids)
+        chunks = micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens)
+        scores = self._scores(batch, mask)
+        adv = (A.grpo_advantages(scores, batch.n, algo.norm_adv_by_std) if algo.name == "grpo"
+               else A.rloo_advantages(scores, batch.n))
+        behaviour, has = self._behaviour_logprobs(batch, mask)
+        share = _Share(batch, chunks, ids, attn, index, mask, adv.unsqueeze(1).expand_as(mask) * mask,
+                       behaviour, has)
+        if self.reference is not None:
+            share.ref_lp, todo = self._reference_rows(batch, mask)
+            share.ref_todo = torch.zeros(len(batch), dtype=torch.bool, device=mask.device)
+            share.ref_todo[todo] = True
+        return share
+
+    def _queued_rl_step(self, batch: RLBatch, recorder: Any = None) -> dict[str, float]:
+        """`rl_step` with `train.balance_ranks: queue`: the ranks share the step's micro-batches
+        through the group's store instead of dealing rows at a meeting.
+
+        Each rank publishes its rows as it arrives and takes its own micro-batches (longest first)
+        from a counter in the store; a rank out of work takes the next micro-batch of a rank that
+        has published, and waits only while a rank has yet to publish. A micro-batch's reference
+        pass, forward and backward all run on the rank that takes it, its advantages (per prompt
+        group) from its own rows. The loss weights need the global token count, which is known
+        only when every rank has arrived: each micro-batch's loss is weighted by its own tokens
+        (rows, for ``seq_mean``) and the summed gradient is divided by the global count after the
+        average, which gives `rl_step`'s gradient. One counter add per micro-batch; the gradient
+        average runs after the last backward (no rank knows in advance which backward is its last).
+        """
+        assert self.group is not None
+        cfg, algo = self.cfg, self.cfg.algorithm
+        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        store, rank, world = self.group.store, self.group.rank, self.world_size
+        key = self.group.key("rl-step")
+        payload = _pack_rows(batch)
+        store.set(f"{key}/rows/{rank}", payload)
+        shares = {rank: self._share(_unpack_rows(payload))}  # as the other ranks will see them
+        token_mean = algo.loss_agg == "token_mean"
+        want_entropy_grad = algo.entropy_coef > 0
+        sums = {"loss/policy": 0.0, "loss/kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
+                "loss/total": 0.0, "kl/mean": 0.0}
+        off = {"diff": 0.0, "weight": 0.0, "capped": 0.0, "tokens": 0.0}
+        weight = tokens = taken = ref_rows = 0.0  # this rank's: loss weight, tokens, others' tokens
+        waited = 0.0
+        self._zero_grad(self.optimizer, self.policy_grads)
+        order = [rank, *(r for r in range(world) if r != rank)]
+        done: set[int] = set()
+        while len(done) < world:
+            took = False
+            for r in order:
+                if r in done:
+                    continue
+                if r not in shares:
+                    if not store.check([f"{key}/rows/{r}"]):
+                        continue
+                    shares[r] = self._share(_unpack_rows(store.get(f"{key}/rows/{r}")))
+                share = shares[r]
+                i = store.add(f"{key}/next/{r}", 1) - 1
+                if i >= len(share.chunks):
+                    done.add(r)
+                    continue
+                c = share.chunks[i]
+                assert share.ids is not None and share.attn is not None and share.index is not None
+                assert share.mask is not None and share.adv is not None
+                assert share.behaviour is not None and share.has_behaviour is not None
+                args = (share.ids, share.attn, share.index, share.mask)
+                m = share.mask[c]
+                ref_c = None
+                if self.reference is not None:
+                    assert share.ref_lp is not None and share.ref_todo is not None
+                    todo = c[share.ref_todo[c]]
+                    if len(todo):
+                        span = recorder.span("reference") if recorder is not None else contextlib.nullcontext()
+                        with torch.no_grad(), span, self.autocast():
+                            share.ref_lp[todo] = self._chunk_logprobs(self.reference, *args, todo,
+                                                                      temperature=temp)[0]
+                        ref_rows += len(todo)
+                    ref_c = share.ref_lp[c]
+                wt = float(m.sum()) if token_mean else float(len(c))
+                with self.autocast():
+                    lp, ent = self._chunk_logprobs(self.policy, *args, c, entropy=True,
+                                                   entropy_grad=want_entropy_grad, temperature=temp)
+                assert ent is not None
+                old_c = lp.detach()  # one epoch: the policy being trained is the proximal policy
+                log_w = (old_c - share.behaviour[c]) * share.has_behaviour[c]
+                is_w = torch.exp(log_w)
+                if algo.tis_cap > 0:
+                    is_w = is_w.clamp(max=algo.tis_cap)
+                hm = m * share.has_behaviour[c]
+                off["diff"] += float((log_w.abs() * hm).sum())
+                off["weight"] += float((is_w * hm).sum())
+                off["capped"] += float(((torch.exp(log_w) > algo.tis_cap) * hm).sum()) if algo.tis_cap > 0 else 0.0
+                off["tokens"] += float(hm.sum())
+                pl, cf = A.policy_loss(lp, old_c, share.adv[c], m, algo.clip_ratio_low,
+                                       algo.clip_ratio_high, algo.loss_agg, is_weights=is_w)
+                loss = pl
+                if ref_c is not None:
+                    kl_tok = A.kl_penalty(lp, ref_c, algo.kl_estimator)
+                    kl_t = A.aggregate(kl_tok, m, algo.loss_agg)
+                    sums["kl/mean"] += wt * float(A.masked_mean(kl_tok.detach(), m))
+                    loss = loss + algo.kl_coef * kl_t
+                    sums["loss/kl"] += wt * float(kl_t.detach())
+                ent_agg = A.aggregate(ent if want_entropy_grad else ent.detach(), m, algo.loss_agg)
+                if want_entropy_grad:
+                    loss = loss - algo.entropy_coef * ent_agg
+                (loss * wt).backward()  # divided by the global weight after the average
+                sums["loss/policy"] += wt * float(pl.detach())
+                sums["entropy"] += wt * float(ent_agg.detach())
+                sums["clip_frac"] += wt * float(cf)
+                sums["loss/total"] += wt * float(loss.detach())
+                weight += wt
+                tokens += float(m.sum())
+                if r != rank:
+                    taken += float(m.sum())
+                took = True
+                break  # back to this rank's own micro-batches first
+            if not took and len(done) < world:
+                late = next(r for r in order if r not in shares)
+                start = time.perf_counter()
+                store.wait([f"{key}/rows/{late}"])
+                waited += time.perf_counter() - start
+        # One collective on every rank: the global weight, and each rank's own and trained tokens.
+        own = shares[rank]
+        own_tokens = float(own.mask.sum()) if own.mask is not None else 0.0
+        local = [weight, *(own_tokens if r == rank else 0.0 for r in range(world)),
+                 *(tokens if r == rank else 0.0 for r in range(world))]
+        totals = self.all_reduce_sum(local)
+        g_weight, before, after = totals[0], totals[1: 1 + world], totals[1 + world:]
+        store.delete_key(f"{key}/rows/{rank}")  # every rank is past its last read of them
+        store.delete_key(f"{key}/next/{rank}")
+        self._grad_sync_s = 0.0
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        grad_norm = self._apply_gradients(params, self.optimizer, self.policy_grads,
+                                          scale=world / max(g_weight, 1.0))
+        self.scheduler.step()
+        mean = max(sum(before) / world, 1.0)
+        metrics: dict[str, float] = {
+            "time/rank_wait": waited, "time/grad_sync": self._grad_sync_s,
+            "train/rank_load_before": max(before) / mean, "train/rank_load_after": max(after) / mean,
+            "train/taken_frac": taken / max(tokens, 1.0),
+            "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
+        if not tokens:  # its own rows taken by the others, or none came
+            metrics["train/empty_batch"] = 1.0
+        if len(batch):
+            assert own.adv is not None and own.mask is not None
+            metrics["advantage/mean"] = float(A.masked_mean(own.adv, own.mask))
+            metrics["advantage/abs_mean"] = float(A.masked_mean(own.adv.abs(), own.mask))
+            if batch.staleness is not None:
+                metrics["rollout/stale_frac"] = sum(s > 0 for s in batch.staleness) / len(batch)
+        if weight:
+            metrics.update({k: v / weight for k, v in sums.items()})
+            if self.reference is None:
+                metrics.pop("kl/mean")
+                metrics.pop("loss/kl")
+            metrics["trained_tokens"] = tokens
+        if self.reference is not None and len(batch):
+            assert own.ref_todo is not None
+            metrics["reference/rows"] = ref_rows
+            metrics["reference/given_frac"] = 1.0 - float(own.ref_todo.sum()) / len(batch)
+        if off["tokens"]:
+            metrics["rollout/logprob_diff"] = off["diff"] / off["tokens"]
+            metrics["rollout/is_weight_mean"] = off["weight"] / off["tokens"]
+            metrics["rollout/is_capped_frac"] = off["capped"] / off["tokens"]
+        return metrics
+
+    def _scores(self, batch: RLBatch, mask: Tensor) -> Tensor:
+        """The batch's scores ``[B]``, with DAPO's overlong penalty where it is on."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        scores = torch.tensor(batch.scores, dtype=torch.float32, device=self.device)
+        if algo.overlong_penalty > 0:
+            buffer = max(1, cfg.rollout.max_new_tokens // 4)
+            scores = scores + algo.overlong_penalty * A.overlong_penalty(
+                mask.sum(dim=1), cfg.rollout.max_new_tokens, buffer).to(scores.device)
+        return scores
+
     def _balanced(self, batch: RLBatch) -> tuple[RLBatch, dict[str, float]]:
         """This rank's share of the data-parallel batch, whole prompt groups dealt by `deal_groups`
         so that each rank passes about as many tokens: the ranks wait for the slowest at the
@@ -1147,12 +1378,7 @@ class Learner:
             after[owner[g]] += cost
         mean = max(sum(costs) / world, 1.0)
         mine = [row for g, rows in zip(owner, groups, strict=True) if g == rank for row in rows]
-        stale = [row[5] for row in mine]
-        out = RLBatch(prompt_ids=[row[0] for row in mine], response_ids=[row[1] for row in mine],
-                      scores=[row[2] for row in mine], n=n, truncated=[row[3] for row in mine],
-                      sample_logprobs=[row[4] for row in mine],
-                      staleness=None if all(s < 0 for s in stale) else [max(s, 0) for s in stale],
-                      ref_logprobs=[row[6] for row in mine] if any(row[6] for row in mine) else None)
+        out = _batch_of_rows(mine, n)
         # the slowest rank's tokens over the mean, as the ranks came and as dealt
         return out, {**waited, "train/rank_load_before": max(before) / mean,
                      "train/rank_load_after": max(after) / mean}
@@ -1162,6 +1388,20 @@ class Learner:
         """The reference log-probs ``[B, T]`` that came with the batch (zeros elsewhere) and the
         micro-batches of the rows still to pass through the reference: ``chunks`` when none came,
         else the other rows, micro-batched by the same rule."""
+        rows = mask.shape[0]
+        out, todo = self._reference_rows(batch, mask)
+        if len(todo) == rows:
+            return out, chunks
+        if not todo:
+            return out, []
+        left = torch.tensor(todo, dtype=torch.long, device=attn.device)
+        cfg = self.cfg.train
+        return out, [left[c] for c in micro_batches(attn[left].sum(dim=1), cfg.micro_batch_size,
+                                                    cfg.micro_batch_tokens)]
+
+    def _reference_rows(self, batch: RLBatch, mask: Tensor) -> tuple[Tensor, list[int]]:
+        """The reference log-probs ``[B, T]`` that came with the batch (zeros elsewhere) and the
+        rows without them."""
         rows, length = mask.shape
         out = torch.zeros((rows, length), dtype=torch.float32)
         todo: list[int] = []
@@ -1171,15 +1411,7 @@ class Learner:
                 out[i, : len(refs)] = torch.tensor(refs, dtype=torch.float32)
             else:
                 todo.append(i)
-        out = out.to(self.device)
-        if len(todo) == rows:
-            return out, chunks
-        if not todo:
-            return out, []
-        left = torch.tensor(todo, dtype=torch.long, device=attn.device)
-        cfg = self.cfg.train
-        return out, [left[c] for c in micro_batches(attn[left].sum(dim=1), cfg.micro_batch_size,
-                                                    cfg.micro_batch_tokens)]
+        return out.to(self.device), todo
 
     def _behaviour_logprobs(self, batch: RLBatch, mask: Tensor) -> tuple[Tensor, Tensor]:
         """The sampler's log-probs ``[B, T]`` and a row mask of the samples that carry them."""
@@ -1194,10 +1426,12 @@ class Learner:
         return out.to(self.device), has.to(self.device)
 
     def _apply_gradients(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-                         buckets: SharedGradients | GradientBuckets | None = None) -> float:
+                         buckets: SharedGradients | GradientBuckets | None = None,
+                         scale: float = 1.0) -> float:
         """All-reduce, clip and step: the same on every rank, with or without local gradients.
 
-        ``buckets``: the all-reduce launched during the last backward, to finish here.
+        ``buckets``: the all-reduce launched during the last backward, to finish here. ``scale``:
+        multiplies the averaged gradients before clipping.
         """
         if self.sharded:  # the optimizer's own (sharded) parameters, whatever the module holds now
             params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -1210,6 +1444,8 @@ class Learner:
         for p in params:
             if p.grad is None:  # a rank with nothing to train still steps on the averaged grads
                 p.grad = torch.zeros_like(p)
+        if scale != 1.0:
+            torch._foreach_mul_([p.grad for p in params], scale)
         # sharded gradients: the norm is of the whole gradient (DTensor all-reduces the shards')
         norm = float(_full(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)))
         optimizer.step()

@@ -286,6 +286,87 @@ def test_ranks_balanced_by_tokens_train_like_the_lopsided_batches(nano, tmp_path
                                        msg=f"{module} {name}: dealt and lopsided batches trained apart")
 
 
+def _queue_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str) -> None:
+    """Four GRPO steps on lopsided batches: rank 0 has 5 groups of long responses (5 micro-batches)
+    and comes to step 0 a second late, as after a slower rollout; rank 1 has one group of short
+    ones, and nothing at all at step 2."""
+    import time
+
+    from trainer.learner import DataParallelGroup, Learner, RLBatch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    group = DataParallelGroup("127.0.0.1", port, rank, 2, timeout_s=120)
+    learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
+    metrics = []
+    for step in range(4):
+        if rank == 0 and step == 0:
+            time.sleep(1.0)
+        if rank == 1 and step == 2:
+            batch = RLBatch([], [], [], n=2, truncated=[])
+        else:
+            batch = _batch(learner, rank, step, rows=10 if rank == 0 else 2)
+            if rank == 0:
+                batch.response_ids = [r * 3 for r in batch.response_ids]
+                batch.sample_logprobs = [lp * 3 for lp in batch.sample_logprobs]
+        metrics.append(learner.rl_step(batch))
+    torch.save({"policy": learner.policy.state_dict(), "metrics": metrics}, out)
+
+
+def test_ranks_sharing_micro_batches_through_a_queue_train_like_the_lopsided_batches(nano, tmp_path):
+    """`train.balance_ranks: queue`: a rank out of work takes the other rank's micro-batches as
+    soon as that rank has published its rows, so no rank waits for another's rollout while it has
+    rows to train, nor for work it could share. The update is the one the lopsided batches give
+    each rank trained alone (`off`): the same global norm and weights up to summation order, though
+    each micro-batch's loss was weighted by its own tokens and the global count applied after the
+    gradient average; both ranks stay identical."""
+    from safetensors.torch import load_file
+
+    ctx = mp.get_context("spawn")
+    runs = {}
+    for mode in ("queue", "off"):
+        cfg_data = _cfg(nano, name="grpo")
+        cfg_data["train"].update(balance_ranks=mode, micro_batch_size=2)
+        outs = [str(tmp_path / f"{mode}-rank{r}.pt") for r in range(2)]
+        port = _free_port()
+        procs = [ctx.Process(target=_queue_rank_main, args=(r, port, cfg_data, str(nano), outs[r]))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+            assert p.exitcode == 0
+        runs[mode] = [torch.load(o, weights_only=False) for o in outs]
+    queued, lopsided = runs["queue"], runs["off"]
+    for step in range(4):
+        m0, m1 = queued[0]["metrics"][step], queued[1]["metrics"][step]
+        assert m0["grad_norm"] == pytest.approx(m1["grad_norm"])
+        assert m0["grad_norm"] == pytest.approx(lopsided[0]["metrics"][step]["grad_norm"], rel=1e-4)
+        assert m0["train/rank_load_before"] == pytest.approx(m1["train/rank_load_before"])
+        assert m0["train/rank_load_before"] > 1.5
+        # all of rank 0's tokens, or some of them on rank 1: each micro-batch was trained once
+        assert m0["trained_tokens"] + m1["trained_tokens"] == pytest.approx(
+            lopsided[0]["metrics"][step]["trained_tokens"]
+            + lopsided[1]["metrics"][step].get("trained_tokens", 0.0))
+    # step 0: rank 1 trained its own rows, waited for rank 0's, then took some of them; rank 0,
+    # late, never waited
+    first = [queued[r]["metrics"][0] for r in range(2)]
+    assert first[1]["time/rank_wait"] > 0.7 > 0.3 > first[0]["time/rank_wait"]
+    assert first[1]["train/taken_frac"] > 0.3
+    assert first[0]["train/rank_load_after"] < first[0]["train/rank_load_before"]
+    assert first[0]["train/taken_frac"] == 0.0
+    # step 2: rank 1 came with nothing and trained rank 0's rows
+    assert "train/empty_batch" not in queued[1]["metrics"][2]
+    assert queued[1]["metrics"][2]["train/taken_frac"] == 1.0
+    assert lopsided[1]["metrics"][2]["train/empty_batch"] == 1.0
+    initial = load_file(str(nano / "model.safetensors"))
+    assert any(not torch.equal(t, queued[0]["policy"][n]) for n, t in initial.items()), "nothing trained"
+    for name, tensor in queued[0]["policy"].items():
+        assert torch.equal(tensor, queued[1]["policy"][name]), f"policy {name} differs between ranks"
+        torch.testing.assert_close(tensor, lopsided[0]["policy"][name], rtol=1e-4, atol=1e-5,
+                                   msg=f"policy {name}: queued and lopsided batches trained apart")
+
+
 def test_groups_are_dealt_longest_first_to_the_least_loaded_rank():
     from trainer.learner import deal_groups
 
