@@ -1047,6 +1047,7 @@ class Learner:
         off = {"diff": 0.0, "weight": 0.0, "capped": 0.0, "tokens": 0.0}
         old_chunks: list[Tensor] = []
         grad_norms: list[float] = []
+        metric_weight = 0.0
         for epoch in range(cfg.train.ppo_epochs):
             self._zero_grad(self.optimizer, self.policy_grads)
             if self.critic_opt is not None:
@@ -1058,12 +1059,10 @@ class Learner:
                     if buckets is not None:
                         buckets.arm()
                 # this chunk's share of the global batch's loss (gradients are averaged over ranks)
-                if algo.loss_agg == "token_mean":
-                    w = float(m.sum()) / max(g_tokens, 1.0) * world
-                    mw = float(m.sum()) / max(float(mask.sum()), 1.0)
-                else:
-                    w = len(c) / max(g_rows, 1.0) * world
-                    mw = len(c) / rows
+                # mw: its weight in the step's loss metrics (`_global_means`)
+                mw = float(m.sum()) if algo.loss_agg == "token_mean" else float(len(c))
+                w = mw / max(g_tokens if algo.loss_agg == "token_mean" else g_rows, 1.0) * world
+                metric_weight += mw
                 with self.autocast():
                     lp, ent = self._chunk_logprobs(self.policy, ids, attn, index, mask, c, entropy=True,
                                              entropy_grad=want_entropy_grad, temperature=temp)
@@ -1121,21 +1120,17 @@ class Learner:
             # seconds in the gradient average after this rank's backward: the reduce itself and the
             # wait for slower ranks (FSDP2 reduce-scatters inside the backward: about zero there)
             metrics["time/grad_sync"] = self._grad_sync_s
+        overall = self._global_means(metric_weight, sums, off)
         if not rows:
             return {**metrics, "train/empty_batch": 1.0, "lr": lr,
                     "grad_norm": sum(grad_norms) / len(grad_norms)}
-        epochs = cfg.train.ppo_epochs
-        metrics.update({k: v / epochs for k, v in sums.items()})
+        metrics.update(overall)
         if self.reference is None:
-            metrics.pop("kl/mean")
+            metrics.pop("kl/mean", None)
         if self.reference is None or algo.kl_in_reward:
-            metrics.pop("loss/kl")
+            metrics.pop("loss/kl", None)
         if self.critic is None:
-            metrics.pop("loss/value")
-        if off["tokens"]:
-            metrics["rollout/logprob_diff"] = off["diff"] / off["tokens"]
-            metrics["rollout/is_weight_mean"] = off["weight"] / off["tokens"]
-            metrics["rollout/is_capped_frac"] = off["capped"] / off["tokens"]
+            metrics.pop("loss/value", None)
         if batch.staleness is not None:
             metrics["rollout/stale_frac"] = sum(s > 0 for s in batch.staleness) / rows
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -1279,6 +1274,7 @@ class Learner:
                 start = time.perf_counter()
                 store.wait([f"{key}/rows/{late}"])
                 waited += time.perf_counter() - start
+        overall = self._global_means(weight, sums, off)
         # One collective on every rank: the global weight, and each rank's own and trained tokens.
         own = shares[rank]
         own_tokens = float(own.mask.sum()) if own.mask is not None else 0.0
@@ -1308,20 +1304,33 @@ class Learner:
             if batch.staleness is not None:
                 metrics["rollout/stale_frac"] = sum(s > 0 for s in batch.staleness) / len(batch)
         if weight:
-            metrics.update({k: v / weight for k, v in sums.items()})
+            metrics.update(overall)
             if self.reference is None:
-                metrics.pop("kl/mean")
-                metrics.pop("loss/kl")
+                metrics.pop("kl/mean", None)
+                metrics.pop("loss/kl", None)
             metrics["trained_tokens"] = tokens
         if self.reference is not None and len(batch):
             assert own.ref_todo is not None
             metrics["reference/rows"] = ref_rows
             metrics["reference/given_frac"] = 1.0 - float(own.ref_todo.sum()) / len(batch)
-        if off["tokens"]:
-            metrics["rollout/logprob_diff"] = off["diff"] / off["tokens"]
-            metrics["rollout/is_weight_mean"] = off["weight"] / off["tokens"]
-            metrics["rollout/is_capped_frac"] = off["capped"] / off["tokens"]
         return metrics
+
+    def _global_means(self, weight: float, sums: dict[str, float], off: dict[str, float]
+                      ) -> dict[str, float]:
+        """The step's loss metrics over the whole data-parallel batch: every rank's weighted sums
+        (``weight``: its tokens, or rows for ``seq_mean``, over its micro-batches and epochs) and
+        its sampler/trainer mismatch sums added up in one collective, so that every rank reports
+        the same values however the ranks shared the micro-batches (a mean of each rank's own
+        means would move with the sharing)."""
+        names = list(sums)
+        t = self.all_reduce_sum([weight, *(sums[k] for k in names),
+                                 off["diff"], off["weight"], off["capped"], off["tokens"]])
+        out = {k: t[1 + i] / t[0] for i, k in enumerate(names)} if t[0] > 0 else {}
+        diff, is_weight, capped, tokens = t[-4:]
+        if tokens:
+            out.update({"rollout/logprob_diff": diff / tokens, "rollout/is_weight_mean": is_weight / tokens,
+                        "rollout/is_capped_frac": capped / tokens})
+        return out
 
     def _scores(self, batch: RLBatch, mask: Tensor) -> Tensor:
         """The batch's scores ``[B]``, with DAPO's overlong penalty where it is on."""

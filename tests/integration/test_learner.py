@@ -232,8 +232,8 @@ def _balance_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
         else:
             batch = _batch(learner, rank, step, rows=10 if rank == 0 else 2)
             if rank == 0:  # long responses on rank 0: its passes would hold rank 1 up
-                batch.response_ids = [r * 3 for r in batch.response_ids]
-                batch.sample_logprobs = [lp * 3 for lp in batch.sample_logprobs]
+                batch.response_ids = [r * 8 for r in batch.response_ids]
+                batch.sample_logprobs = [lp * 8 for lp in batch.sample_logprobs]
         metrics.append(learner.rl_step(batch))
     torch.save({"policy": learner.policy.state_dict(), "critic": learner.critic.state_dict(),
                 "metrics": metrics}, out)
