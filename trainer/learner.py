@@ -1269,10 +1269,14 @@ class Learner:
                     taken += float(m.sum())
                 took = True
                 break  # back to this rank's own micro-batches first
-            if not took and len(done) < world:
-                late = next(r for r in order if r not in shares)
+            if not took and len(done) < world:  # nothing to take until another rank publishes
+                late = [f"{key}/rows/{r}" for r in order if r not in shares]
                 start = time.perf_counter()
-                store.wait([f"{key}/rows/{late}"])
+                if len(late) == 1:
+                    store.wait(late)
+                else:  # the store waits for all of some keys, not for any one of them
+                    while not any(store.check([k]) for k in late):
+                        time.sleep(1e-3)
                 waited += time.perf_counter() - start
         overall = self._global_means(weight, sums, off)
         # One collective on every rank: the global weight, and each rank's own and trained tokens.
