@@ -367,6 +367,70 @@ def test_ranks_sharing_micro_batches_through_a_queue_train_like_the_lopsided_bat
                                    msg=f"policy {name}: queued and lopsided batches trained apart")
 
 
+def _three_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str) -> None:
+    """Three ranks, three GRPO steps: rank 2 comes to step 0 half a second late and rank 1 to
+    step 1 with nothing; rank 0's rows are the longest."""
+    import time
+
+    from trainer.learner import DataParallelGroup, Learner, RLBatch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    group = DataParallelGroup("127.0.0.1", port, rank, 3, timeout_s=120)
+    learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
+    metrics = []
+    for step in range(3):
+        if rank == 2 and step == 0:
+            time.sleep(0.5)
+        if rank == 1 and step == 1:
+            batch = RLBatch([], [], [], n=2, truncated=[])
+        else:
+            batch = _batch(learner, rank, step, rows=8 if rank == 0 else 4)
+            if rank == 0:
+                batch.response_ids = [r * 4 for r in batch.response_ids]
+                batch.sample_logprobs = [lp * 4 for lp in batch.sample_logprobs]
+        metrics.append(learner.rl_step(batch))
+    torch.save({"policy": learner.policy.state_dict(), "metrics": metrics}, out)
+
+
+def test_three_ranks_sharing_micro_batches_through_a_queue_train_like_their_own_batches(nano, tmp_path):
+    """The queue past two ranks: a rank out of work while two others have yet to publish takes
+    from whichever publishes first; every micro-batch is trained once, by one rank, and all three
+    ranks end identical, with the update their own batches give."""
+    ctx = mp.get_context("spawn")
+    runs = {}
+    for mode in ("queue", "off"):
+        cfg_data = _cfg(nano, name="grpo")
+        cfg_data["train"].update(balance_ranks=mode, micro_batch_size=2)
+        cfg_data["train"]["batch_size"] = 15  # whole prompts per controller
+        cfg_data["placement"]["devices"] = 3
+        outs = [str(tmp_path / f"{mode}-rank{r}.pt") for r in range(3)]
+        port = _free_port()
+        procs = [ctx.Process(target=_three_rank_main, args=(r, port, cfg_data, str(nano), outs[r]))
+                 for r in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+            assert p.exitcode == 0
+        runs[mode] = [torch.load(o, weights_only=False) for o in outs]
+    queued, own = runs["queue"], runs["off"]
+    for step in range(3):
+        trained = [queued[r]["metrics"][step].get("trained_tokens", 0.0) for r in range(3)]
+        assert sum(trained) == pytest.approx(sum(own[r]["metrics"][step].get("trained_tokens", 0.0)
+                                                 for r in range(3)))
+        for r in range(3):
+            assert queued[r]["metrics"][step]["grad_norm"] == pytest.approx(
+                own[0]["metrics"][step]["grad_norm"], rel=1e-4)
+    # at step 0 ranks 0 and 1 ran out of their own rows before rank 2 came: both waited for it
+    assert min(queued[r]["metrics"][0]["time/rank_wait"] for r in (0, 1)) > 0.2
+    assert queued[1]["metrics"][1]["train/taken_frac"] == 1.0  # it came with nothing
+    for name, tensor in queued[0]["policy"].items():
+        for r in (1, 2):
+            assert torch.equal(tensor, queued[r]["policy"][name]), f"policy {name}: rank {r} differs"
+        torch.testing.assert_close(tensor, own[0]["policy"][name], rtol=1e-4, atol=1e-5)
+
+
 def test_groups_are_dealt_longest_first_to_the_least_loaded_rank():
     from trainer.learner import deal_groups
 
