@@ -211,32 +211,51 @@ def test_gradient_averages_in_shared_memory_and_during_backward_train_exactly_li
                 assert torch.equal(tensor, reference[module][name]), f"{module} {name} differs"
 
 
-def _balance_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str) -> None:
-    """Four RL steps on lopsided batches: rank 0 has 5 groups of long responses, rank 1 one group
-    of short ones, and nothing at all at step 2. Rank 1 comes to step 0 a second late, as after a
-    slower rollout."""
+def _lopsided_rank_main(rank: int, world: int, port: int, cfg_data: dict, model_dir: str, out: str,
+                        plan: dict) -> None:
+    """RL steps on lopsided batches: ``plan["rows"][rank]`` rows a rank, rank 0's responses
+    ``plan["stretch"]`` times longer (its passes would hold the others up); rank
+    ``plan["late"][0]`` comes to step ``plan["late"][1]`` ``plan["late"][2]`` s late, as after a
+    slower rollout, and rank ``plan["empty"][0]`` to step ``plan["empty"][1]`` with nothing."""
     import time
 
     from trainer.learner import DataParallelGroup, Learner, RLBatch
 
     torch.set_num_threads(1)
     torch.manual_seed(rank)
-    group = DataParallelGroup("127.0.0.1", port, rank, 2, timeout_s=120)
+    group = DataParallelGroup("127.0.0.1", port, rank, world, timeout_s=120)
     learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
     metrics = []
-    for step in range(4):
-        if rank == 1 and step == 0:
-            time.sleep(1.0)
-        if rank == 1 and step == 2:
+    for step in range(plan["steps"]):
+        if (rank, step) == tuple(plan["late"][:2]):
+            time.sleep(plan["late"][2])
+        if (rank, step) == tuple(plan["empty"]):
             batch = RLBatch([], [], [], n=2, truncated=[])
         else:
-            batch = _batch(learner, rank, step, rows=10 if rank == 0 else 2)
-            if rank == 0:  # long responses on rank 0: its passes would hold rank 1 up
-                batch.response_ids = [r * 8 for r in batch.response_ids]
-                batch.sample_logprobs = [lp * 8 for lp in batch.sample_logprobs]
+            batch = _batch(learner, rank, step, rows=plan["rows"][rank])
+            if rank == 0:
+                batch.response_ids = [r * plan["stretch"] for r in batch.response_ids]
+                batch.sample_logprobs = [lp * plan["stretch"] for lp in batch.sample_logprobs]
         metrics.append(learner.rl_step(batch))
-    torch.save({"policy": learner.policy.state_dict(), "critic": learner.critic.state_dict(),
-                "metrics": metrics}, out)
+    torch.save({"policy": learner.policy.state_dict(), "metrics": metrics,
+                "critic": learner.critic.state_dict() if learner.critic is not None else None}, out)
+
+
+def _run_lopsided(world: int, cfg_data: dict, model_dir: Path, outs: Path, plan: dict) -> list[dict]:
+    """`_lopsided_rank_main` on ``world`` ranks, each a process; what each rank saved."""
+    ctx = mp.get_context("spawn")
+    files = [str(outs / f"rank{r}.pt") for r in range(world)]
+    outs.mkdir(parents=True)
+    port = _free_port()
+    procs = [ctx.Process(target=_lopsided_rank_main,
+                         args=(r, world, port, cfg_data, str(model_dir), files[r], plan))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+        assert p.exitcode == 0
+    return [torch.load(f, weights_only=False) for f in files]
 
 
 def test_ranks_balanced_by_tokens_train_like_the_lopsided_batches(nano, tmp_path):
@@ -246,21 +265,13 @@ def test_ranks_balanced_by_tokens_train_like_the_lopsided_batches(nano, tmp_path
     summation order)."""
     from safetensors.torch import load_file
 
-    ctx = mp.get_context("spawn")
+    # rank 0: 5 groups of long responses; rank 1: one group of short ones, a second late at step 0
+    plan = {"steps": 4, "rows": [10, 2], "stretch": 8, "late": (1, 0, 1.0), "empty": (1, 2)}
     runs = {}
     for balance in (True, False):
         cfg_data = _cfg(nano)
         cfg_data["train"]["balance_ranks"] = balance
-        outs = [str(tmp_path / f"{balance}-rank{r}.pt") for r in range(2)]
-        port = _free_port()
-        procs = [ctx.Process(target=_balance_rank_main, args=(r, port, cfg_data, str(nano), outs[r]))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-            assert p.exitcode == 0
-        runs[balance] = [torch.load(o, weights_only=False) for o in outs]
+        runs[balance] = _run_lopsided(2, cfg_data, nano, tmp_path / str(balance), plan)
     dealt, lopsided = runs[True], runs[False]
     for step in range(4):
         m = dealt[0]["metrics"][step]
@@ -286,33 +297,6 @@ def test_ranks_balanced_by_tokens_train_like_the_lopsided_batches(nano, tmp_path
                                        msg=f"{module} {name}: dealt and lopsided batches trained apart")
 
 
-def _queue_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str) -> None:
-    """Four GRPO steps on lopsided batches: rank 0 has 5 groups of long responses (5 micro-batches)
-    and comes to step 0 a second late, as after a slower rollout; rank 1 has one group of short
-    ones, and nothing at all at step 2."""
-    import time
-
-    from trainer.learner import DataParallelGroup, Learner, RLBatch
-
-    torch.set_num_threads(1)
-    torch.manual_seed(rank)
-    group = DataParallelGroup("127.0.0.1", port, rank, 2, timeout_s=120)
-    learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
-    metrics = []
-    for step in range(4):
-        if rank == 0 and step == 0:
-            time.sleep(1.0)
-        if rank == 1 and step == 2:
-            batch = RLBatch([], [], [], n=2, truncated=[])
-        else:
-            batch = _batch(learner, rank, step, rows=10 if rank == 0 else 2)
-            if rank == 0:
-                batch.response_ids = [r * 3 for r in batch.response_ids]
-                batch.sample_logprobs = [lp * 3 for lp in batch.sample_logprobs]
-        metrics.append(learner.rl_step(batch))
-    torch.save({"policy": learner.policy.state_dict(), "metrics": metrics}, out)
-
-
 def test_ranks_sharing_micro_batches_through_a_queue_train_like_the_lopsided_batches(nano, tmp_path):
     """`train.balance_ranks: queue`: a rank out of work takes the other rank's micro-batches as
     soon as that rank has published its rows, so no rank waits for another's rollout while it has
@@ -322,21 +306,14 @@ def test_ranks_sharing_micro_batches_through_a_queue_train_like_the_lopsided_bat
     gradient average; both ranks stay identical."""
     from safetensors.torch import load_file
 
-    ctx = mp.get_context("spawn")
+    # rank 0: 5 groups of long responses (5 micro-batches), a second late at step 0; rank 1: one
+    # group of short ones, nothing at step 2
+    plan = {"steps": 4, "rows": [10, 2], "stretch": 3, "late": (0, 0, 1.0), "empty": (1, 2)}
     runs = {}
     for mode in ("queue", "off"):
         cfg_data = _cfg(nano, name="grpo")
         cfg_data["train"].update(balance_ranks=mode, micro_batch_size=2)
-        outs = [str(tmp_path / f"{mode}-rank{r}.pt") for r in range(2)]
-        port = _free_port()
-        procs = [ctx.Process(target=_queue_rank_main, args=(r, port, cfg_data, str(nano), outs[r]))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-            assert p.exitcode == 0
-        runs[mode] = [torch.load(o, weights_only=False) for o in outs]
+        runs[mode] = _run_lopsided(2, cfg_data, nano, tmp_path / mode, plan)
     queued, lopsided = runs["queue"], runs["off"]
     for step in range(4):
         m0, m1 = queued[0]["metrics"][step], queued[1]["metrics"][step]
@@ -367,53 +344,18 @@ def test_ranks_sharing_micro_batches_through_a_queue_train_like_the_lopsided_bat
                                    msg=f"policy {name}: queued and lopsided batches trained apart")
 
 
-def _three_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str) -> None:
-    """Three ranks, three GRPO steps: rank 2 comes to step 0 half a second late and rank 1 to
-    step 1 with nothing; rank 0's rows are the longest."""
-    import time
-
-    from trainer.learner import DataParallelGroup, Learner, RLBatch
-
-    torch.set_num_threads(1)
-    torch.manual_seed(rank)
-    group = DataParallelGroup("127.0.0.1", port, rank, 3, timeout_s=120)
-    learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
-    metrics = []
-    for step in range(3):
-        if rank == 2 and step == 0:
-            time.sleep(0.5)
-        if rank == 1 and step == 1:
-            batch = RLBatch([], [], [], n=2, truncated=[])
-        else:
-            batch = _batch(learner, rank, step, rows=8 if rank == 0 else 4)
-            if rank == 0:
-                batch.response_ids = [r * 4 for r in batch.response_ids]
-                batch.sample_logprobs = [lp * 4 for lp in batch.sample_logprobs]
-        metrics.append(learner.rl_step(batch))
-    torch.save({"policy": learner.policy.state_dict(), "metrics": metrics}, out)
-
-
 def test_three_ranks_sharing_micro_batches_through_a_queue_train_like_their_own_batches(nano, tmp_path):
     """The queue past two ranks: a rank out of work while two others have yet to publish takes
     from whichever publishes first; every micro-batch is trained once, by one rank, and all three
     ranks end identical, with the update their own batches give."""
-    ctx = mp.get_context("spawn")
+    # rank 2 half a second late at step 0, rank 1 empty at step 1, rank 0's rows the longest
+    plan = {"steps": 3, "rows": [8, 4, 4], "stretch": 4, "late": (2, 0, 0.5), "empty": (1, 1)}
     runs = {}
     for mode in ("queue", "off"):
         cfg_data = _cfg(nano, name="grpo")
-        cfg_data["train"].update(balance_ranks=mode, micro_batch_size=2)
-        cfg_data["train"]["batch_size"] = 15  # whole prompts per controller
+        cfg_data["train"].update(balance_ranks=mode, micro_batch_size=2, batch_size=15)  # 5 prompts a rank
         cfg_data["placement"]["devices"] = 3
-        outs = [str(tmp_path / f"{mode}-rank{r}.pt") for r in range(3)]
-        port = _free_port()
-        procs = [ctx.Process(target=_three_rank_main, args=(r, port, cfg_data, str(nano), outs[r]))
-                 for r in range(3)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-            assert p.exitcode == 0
-        runs[mode] = [torch.load(o, weights_only=False) for o in outs]
+        runs[mode] = _run_lopsided(3, cfg_data, nano, tmp_path / mode, plan)
     queued, own = runs["queue"], runs["off"]
     for step in range(3):
         trained = [queued[r]["metrics"][step].get("trained_tokens", 0.0) for r in range(3)]
