@@ -1041,7 +1041,6 @@ class Learner:
             metrics["advantage/abs_mean"] = float(A.masked_mean(adv_tok.abs(), mask))
 
         world = self.world_size
-        want_entropy_grad = algo.entropy_coef > 0
         sums = {"loss/policy": 0.0, "loss/kl": 0.0, "loss/value": 0.0, "entropy": 0.0,
                 "clip_frac": 0.0, "loss/total": 0.0, "kl/mean": 0.0}
         off = {"diff": 0.0, "weight": 0.0, "capped": 0.0, "tokens": 0.0}
@@ -1063,44 +1062,16 @@ class Learner:
                 mw = float(m.sum()) if algo.loss_agg == "token_mean" else float(len(c))
                 w = mw / max(g_tokens if algo.loss_agg == "token_mean" else g_rows, 1.0) * world
                 metric_weight += mw
-                with self.autocast():
-                    lp, ent = self._chunk_logprobs(self.policy, ids, attn, index, mask, c, entropy=True,
-                                             entropy_grad=want_entropy_grad, temperature=temp)
-                assert ent is not None
+                # before any update the policy is the proximal policy: its log-probs are "old"
+                old = old_chunks[k] if epoch else (old_lp[c] if old_lp is not None else None)
+                old_c = self._train_micro_batch(
+                    (ids, attn, index, mask), c, adv_tok[c], behaviour[c], has_behaviour[c],
+                    ref_lp[c] if ref_lp is not None else None, old, w, mw, sums,
+                    off if epoch == 0 else None, temperature=temp)
                 if epoch == 0:
-                    # before any update the policy is the proximal policy: its log-probs are "old"
-                    old_chunks.append(old_lp[c] if old_lp is not None else lp.detach())
-                old_c = old_chunks[k]
-                log_w = (old_c - behaviour[c]) * has_behaviour[c]
-                is_w = torch.exp(log_w)
-                if algo.tis_cap > 0:
-                    is_w = is_w.clamp(max=algo.tis_cap)
-                if epoch == 0:
-                    hm = m * has_behaviour[c]
-                    off["diff"] += float((log_w.abs() * hm).sum())
-                    off["weight"] += float((is_w * hm).sum())
-                    off["capped"] += float(((torch.exp(log_w) > algo.tis_cap) * hm).sum()) if algo.tis_cap > 0 else 0.0
-                    off["tokens"] += float(hm.sum())
-                pl, cf = A.policy_loss(lp, old_c, adv_tok[c], m, algo.clip_ratio_low,
-                                       algo.clip_ratio_high, algo.loss_agg, is_weights=is_w)
-                loss = pl
-                if ref_lp is not None:
-                    kl_tok = A.kl_penalty(lp, ref_lp[c], algo.kl_estimator)
-                    kl_t = A.aggregate(kl_tok, m, algo.loss_agg)
-                    sums["kl/mean"] += mw * float(A.masked_mean(kl_tok.detach(), m))
-                    if not algo.kl_in_reward:
-                        loss = loss + algo.kl_coef * kl_t
-                        sums["loss/kl"] += mw * float(kl_t.detach())
-                ent_agg = A.aggregate(ent if want_entropy_grad else ent.detach(), m, algo.loss_agg)
-                if want_entropy_grad:
-                    loss = loss - algo.entropy_coef * ent_agg
-                (loss * w).backward()
+                    old_chunks.append(old_c)
                 if last and self.policy_grads is not None:
                     self.policy_grads.flush()  # on every rank the policy's collectives come first
-                sums["loss/policy"] += mw * float(pl.detach())
-                sums["entropy"] += mw * float(ent_agg.detach())
-                sums["clip_frac"] += mw * float(cf)
-                sums["loss/total"] += mw * float(loss.detach())
                 if self.critic is not None:
                     assert values is not None and returns is not None
                     with self.autocast():
@@ -1191,7 +1162,6 @@ class Learner:
         store.set(f"{key}/rows/{rank}", payload)
         shares = {rank: self._share(_unpack_rows(payload))}  # as the other ranks will see them
         token_mean = algo.loss_agg == "token_mean"
-        want_entropy_grad = algo.entropy_coef > 0
         sums = {"loss/policy": 0.0, "loss/kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
                 "loss/total": 0.0, "kl/mean": 0.0}
         off = {"diff": 0.0, "weight": 0.0, "capped": 0.0, "tokens": 0.0}
@@ -1232,37 +1202,10 @@ class Learner:
                         ref_rows += len(todo)
                     ref_c = share.ref_lp[c]
                 wt = float(m.sum()) if token_mean else float(len(c))
-                with self.autocast():
-                    lp, ent = self._chunk_logprobs(self.policy, *args, c, entropy=True,
-                                                   entropy_grad=want_entropy_grad, temperature=temp)
-                assert ent is not None
-                old_c = lp.detach()  # one epoch: the policy being trained is the proximal policy
-                log_w = (old_c - share.behaviour[c]) * share.has_behaviour[c]
-                is_w = torch.exp(log_w)
-                if algo.tis_cap > 0:
-                    is_w = is_w.clamp(max=algo.tis_cap)
-                hm = m * share.has_behaviour[c]
-                off["diff"] += float((log_w.abs() * hm).sum())
-                off["weight"] += float((is_w * hm).sum())
-                off["capped"] += float(((torch.exp(log_w) > algo.tis_cap) * hm).sum()) if algo.tis_cap > 0 else 0.0
-                off["tokens"] += float(hm.sum())
-                pl, cf = A.policy_loss(lp, old_c, share.adv[c], m, algo.clip_ratio_low,
-                                       algo.clip_ratio_high, algo.loss_agg, is_weights=is_w)
-                loss = pl
-                if ref_c is not None:
-                    kl_tok = A.kl_penalty(lp, ref_c, algo.kl_estimator)
-                    kl_t = A.aggregate(kl_tok, m, algo.loss_agg)
-                    sums["kl/mean"] += wt * float(A.masked_mean(kl_tok.detach(), m))
-                    loss = loss + algo.kl_coef * kl_t
-                    sums["loss/kl"] += wt * float(kl_t.detach())
-                ent_agg = A.aggregate(ent if want_entropy_grad else ent.detach(), m, algo.loss_agg)
-                if want_entropy_grad:
-                    loss = loss - algo.entropy_coef * ent_agg
-                (loss * wt).backward()  # divided by the global weight after the average
-                sums["loss/policy"] += wt * float(pl.detach())
-                sums["entropy"] += wt * float(ent_agg.detach())
-                sums["clip_frac"] += wt * float(cf)
-                sums["loss/total"] += wt * float(loss.detach())
+                # one epoch: the policy being trained is the proximal policy; the loss is divided
+                # by the global weight after the average
+                self._train_micro_batch(args, c, share.adv[c], share.behaviour[c], share.has_behaviour[c],
+                                        ref_c, None, wt, wt, sums, off, temperature=temp)
                 weight += wt
                 tokens += float(m.sum())
                 if r != rank:
@@ -1318,6 +1261,54 @@ class Learner:
             metrics["reference/rows"] = ref_rows
             metrics["reference/given_frac"] = 1.0 - float(own.ref_todo.sum()) / len(batch)
         return metrics
+
+    def _train_micro_batch(self, layout: tuple[Tensor, Tensor, Tensor, Tensor], c: Tensor, adv: Tensor,
+                           behaviour: Tensor, has_behaviour: Tensor, ref_lp: Tensor | None,
+                           old: Tensor | None, loss_weight: float, metric_weight: float,
+                           sums: dict[str, float], off: dict[str, float] | None, *,
+                           temperature: float) -> Tensor:
+        """The policy's forward, loss and backward on micro-batch ``c`` of ``layout`` (its
+        ``adv``, sampler and reference log-probs given for its rows), the loss scaled by
+        ``loss_weight``. Adds its loss metrics, weighted by ``metric_weight``, to ``sums`` and,
+        with ``off``, its sampler/trainer mismatch. Returns the proximal ("old") log-probs it
+        used: ``old``, or this forward's own when None."""
+        algo = self.cfg.algorithm
+        m = layout[3][c]
+        want_entropy_grad = algo.entropy_coef > 0
+        with self.autocast():
+            lp, ent = self._chunk_logprobs(self.policy, *layout, c, entropy=True,
+                                           entropy_grad=want_entropy_grad, temperature=temperature)
+        assert ent is not None
+        old_c = lp.detach() if old is None else old
+        log_w = (old_c - behaviour) * has_behaviour
+        is_w = torch.exp(log_w)
+        if algo.tis_cap > 0:
+            is_w = is_w.clamp(max=algo.tis_cap)
+        if off is not None:
+            hm = m * has_behaviour
+            off["diff"] += float((log_w.abs() * hm).sum())
+            off["weight"] += float((is_w * hm).sum())
+            off["capped"] += float(((torch.exp(log_w) > algo.tis_cap) * hm).sum()) if algo.tis_cap > 0 else 0.0
+            off["tokens"] += float(hm.sum())
+        pl, cf = A.policy_loss(lp, old_c, adv, m, algo.clip_ratio_low, algo.clip_ratio_high,
+                               algo.loss_agg, is_weights=is_w)
+        loss = pl
+        if ref_lp is not None:
+            kl_tok = A.kl_penalty(lp, ref_lp, algo.kl_estimator)
+            kl_t = A.aggregate(kl_tok, m, algo.loss_agg)
+            sums["kl/mean"] += metric_weight * float(A.masked_mean(kl_tok.detach(), m))
+            if not algo.kl_in_reward:
+                loss = loss + algo.kl_coef * kl_t
+                sums["loss/kl"] += metric_weight * float(kl_t.detach())
+        ent_agg = A.aggregate(ent if want_entropy_grad else ent.detach(), m, algo.loss_agg)
+        if want_entropy_grad:
+            loss = loss - algo.entropy_coef * ent_agg
+        (loss * loss_weight).backward()
+        sums["loss/policy"] += metric_weight * float(pl.detach())
+        sums["entropy"] += metric_weight * float(ent_agg.detach())
+        sums["clip_frac"] += metric_weight * float(cf)
+        sums["loss/total"] += metric_weight * float(loss.detach())
+        return old_c
 
     def _global_means(self, weight: float, sums: dict[str, float], off: dict[str, float]
                       ) -> dict[str, float]:
