@@ -287,7 +287,7 @@ def case_limit(tokens: int, compiled: bool = False) -> dict:
     # disaggregated on 2 devices: one training device, with its own cores only, trains every sample
     torch.set_num_threads(max(1, int(cfg.placement.cpus_per_device)))
     one_device = min(sum(passes(precisions[used])) for _ in range(2))
-    return {"compiled": compiled, "generation": gen_s, "reference": min(r for r, _ in times[used]),
+    return {"generation": gen_s, "reference": min(r for r, _ in times[used]),
             "train": min(t for _, t in times[used]), "gen_tokens": gen_tokens, "precision": used,
             "generation_layout": layout, "generation_one_engine": one_engine,
             "generation_per_core": per_core,
