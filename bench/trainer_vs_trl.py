@@ -29,7 +29,8 @@ Opt-in case suffixes (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,yatt-col
 over gloo instead of in shared memory (trainer/shm_grads.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
 share one vLLM engine sharded over their cores instead of an engine each); `-refhome`, with
 `placement.reference_on_rollout: 0` (disaggregated: the training rank runs the whole reference
-pass, the A/B of the rollout worker taking a share of it); `-wide`, one device holding both
+pass, the A/B of the rollout worker taking a share of it); `-exact`, with `train.pad_to_multiple: 1`
+(each micro-batch cut at its own longest row instead of rounded up to a shape bucket); `-wide`, one device holding both
 cores (one controller, its engine and learner threaded over both) instead of two of a core each.
 Steps per case: 20 on the short workload and 6 on the generation-heavy one (the issue's runs;
 `--steps` sets both); medians and samples/s skip each case's first step (its warm-up, and a
@@ -63,7 +64,7 @@ SECTION = "trainer_vs_trl"
 
 def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, balance: str = "queue",
                 tensor_parallel: int = 1, reference_on_rollout: float | str = "auto",
-                devices: int = 2) -> dict:
+                devices: int = 2, pad_to_multiple: int | None = None) -> dict:
     """``compiled``: `train.compile` and `rollout.compile` (opt-in: faster steps for a slower start);
     ``balance``: `train.balance_ranks` (queue, the default: a rank out of work takes the others'
     micro-batches; deal: groups dealt across ranks by tokens; off: each rank its own rows);
@@ -71,7 +72,9 @@ def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, bala
     ``reference_on_rollout``: `placement.reference_on_rollout` (disaggregated: the rollout
     worker's share of the reference pass; the default, auto, balances it from phase times);
     ``devices``: 2 devices of a core each, or 1 device holding every core (its controller's engine
-    and learner threaded over all of them)."""
+    and learner threaded over all of them); ``pad_to_multiple``: `train.pad_to_multiple` (None:
+    yatt's default)."""
+    pad = {} if pad_to_multiple is None else {"pad_to_multiple": pad_to_multiple}
     return {
         "model": {"path": str(MODEL), "preset": "small"},
         "data": {"task": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+"]}},
@@ -80,7 +83,7 @@ def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, bala
         # responses is not padded to the batch's longest (about 4 chunks per rank at 256 tokens)
         "train": {"max_steps": steps, "lr": LR, "batch_size": PROMPTS, "micro_batch_size": 64,
                   "micro_batch_tokens": MICRO_BATCH_TOKENS, "compile": compiled,
-                  "balance_ranks": balance},
+                  "balance_ranks": balance, **pad},
         "rollout": {"engine": "vllm", "n": N, "max_new_tokens": tokens, "temperature": 1.0,
                     "compile": compiled, "tensor_parallel_size": tensor_parallel},
         "placement": {"mode": mode, "devices": devices, "device_type": "cpu",
@@ -113,6 +116,10 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     # -refhome: the training rank runs the whole reference pass (placement.reference_on_rollout: 0)
     reference_on_rollout: float | str = 0 if mode.endswith("-refhome") else "auto"
     mode = mode.removesuffix("-refhome")
+    # -exact: each micro-batch at its own longest row (train.pad_to_multiple: 1), the A/B of the
+    # shape buckets
+    pad_to_multiple = 1 if mode.endswith("-exact") else None
+    mode = mode.removesuffix("-exact")
     # the A/B of train.balance_ranks, in the same run: -dealt (groups dealt by tokens at a meeting)
     # and -unbalanced (each rank its own rows) against the default, micro-batches shared by a queue
     balance = "queue"
@@ -125,7 +132,7 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
         cfg_path = Path(tmp) / "cfg.yaml"
         cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled, balance, tensor_parallel,
-                                                       reference_on_rollout, devices)))
+                                                       reference_on_rollout, devices, pad_to_multiple)))
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "backend.cli", "train", str(cfg_path), "--out", str(run_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600, env=env)
@@ -230,11 +237,13 @@ def case_limit(tokens: int, compiled: bool = False) -> dict:
 
     from trainer.config import parse_config
     from trainer.data import load_task
-    from trainer.learner import Learner, micro_batches
+    from trainer.learner import Learner
     from trainer.precision import sampler_dtype
 
     cores = os.cpu_count() or 2
-    cfg = parse_config(yatt_config(tokens, 1, "colocate", compiled))
+    # each micro-batch at its own longest row: the limit times one batch again and again, so its
+    # shapes repeat without yatt's shape buckets (`train.pad_to_multiple`) and their padding
+    cfg = parse_config(yatt_config(tokens, 1, "colocate", compiled, pad_to_multiple=1))
     train, _ = load_task(cfg)
     prompts = [e.prompt for e in train[:PROMPTS]]
     # generation in both layouts, the faster one counting: one engine threaded over every core,
@@ -254,7 +263,7 @@ def case_limit(tokens: int, compiled: bool = False) -> dict:
                                              [s.response_ids or [learner.eos_id] for s in samples])
     assert learner.reference is not None
     # the same micro-batches yatt trains on (rows sorted by length, each cut to its longest)
-    chunks = micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens)
+    chunks = learner._micro_batches(attn.sum(dim=1))
     precisions = {"fp32": contextlib.nullcontext}
     if learner.autocast_dtype is not None:
         precisions["bf16"] = learner.autocast

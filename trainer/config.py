@@ -122,6 +122,24 @@ class TrainConfig(_Group):
         "responses is not padded to the longest of the batch. None: rows only.",
         examples=[2048],
     )
+    pad_to_multiple: int | Literal["auto"] = Field(
+        "auto", description="Round each micro-batch's sequence length up to a multiple of this "
+        "(HF's `pad_to_multiple_of`): sampled lengths differ every step, and a pass over shapes "
+        "it has not met costs more per token than over shapes it has (docs/benchmarks.md, "
+        "\"Shape buckets\"). auto: a multiple of 16, or of the largest power of two within a "
+        "sixteenth of the length where that is smaller (a length under 256 pads by at most 1/16; "
+        "short sequences, whose few lengths repeat anyway, stay nearly exact). 1: each "
+        "micro-batch at its own longest row.",
+        examples=["auto", 1, 64],
+    )
+
+    @field_validator("pad_to_multiple")
+    @classmethod
+    def _positive_multiple(cls, v: int | str) -> int | str:
+        if v != "auto" and (not isinstance(v, int) or v < 1):
+            raise ValueError("must be 'auto' or a whole number of tokens >= 1")
+        return v
+
     balance_ranks: Literal["queue", "deal", "off"] = Field(
         "queue", description="How the data-parallel ranks share a step's training work; the global "
         "batch and its loss are the same either way. queue: each rank publishes its rows as its "

@@ -296,17 +296,37 @@ class ResponseLogprobs(nn.Module):
         return torch.cat(lps, dim=1), (torch.cat(ents, dim=1) if entropy else None)
 
 
+AUTO_MULTIPLE = 16
+
+
+def padded_length(n: int, multiple: int | str, cap: int | None = None) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (`train.pad_to_multiple`), at most ``cap``.
+
+    ``"auto"``: a multiple of 16, or of the largest power of two no more than ``n / 16`` where
+    that is smaller, so the padding stays within a sixteenth of ``n`` (38 stays 38, 103 → 104,
+    200 → 200, 270 → 272).
+    """
+    if multiple == "auto":
+        multiple = min(AUTO_MULTIPLE, 1 << max(0, (n // 16).bit_length() - 1))
+    assert isinstance(multiple, int)
+    n = -(-n // multiple) * multiple
+    return n if cap is None else min(n, cap)
+
+
 def response_layout(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
-                    device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    device: torch.device | str = "cpu", multiple: int | str = 1
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Right-padded ``prompt + response`` sequences and where their responses sit.
 
     Returns ``input_ids [B, L]``, ``attention_mask [B, L]``, ``index [B, T]`` (the position in
     next-token order that predicts each response token) and ``mask [B, T]``. Per-token
     tensors handed to trainer.algorithms are response-aligned ``[B, T]``: token 0 is the
-    first response token of every row, as those functions expect.
+    first response token of every row, as those functions expect. ``L`` is the longest
+    sequence rounded up to ``multiple`` (`train.pad_to_multiple`), so that the micro-batches cut
+    from it (`_trimmed`) come in a few lengths only.
     """
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
-    L = max(lengths)
+    L = padded_length(max(lengths), multiple)
     T = max(len(r) for r in response_ids)
     B = len(lengths)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -323,27 +343,30 @@ def response_layout(prompt_ids: list[list[int]], response_ids: list[list[int]], 
 
 
 def chunk_logprobs(run: ResponseLogprobs, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor,
-                   rows: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+                   rows: Tensor, *, multiple: int | str = 1, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """``run``'s log-probs (and entropies) of the batch rows `rows`, cut to their own longest
-    sequence and response (right padding: nothing a kept token attends to is cut), padded back
-    to the batch's ``[len(rows), T]`` with zeros where the mask is zero."""
-    (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows)
+    sequence (rounded up to ``multiple``) and response (right padding: nothing a kept token
+    attends to is cut), padded back to the batch's ``[len(rows), T]`` with zeros where the mask
+    is zero."""
+    (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows, multiple)
     lp, ent = run(c_ids, c_attn, c_index, **kwargs)
     return F.pad(lp, (0, pad)), (F.pad(ent, (0, pad)) if ent is not None else None)
 
 
-def micro_batches(lengths: Tensor, max_rows: int, max_tokens: int | None = None) -> list[Tensor]:
+def micro_batches(lengths: Tensor, max_rows: int, max_tokens: int | None = None, multiple: int | str = 1
+                  ) -> list[Tensor]:
     """The rows of a batch (their sequence lengths) as micro-batches: row indices, longest rows
     first, each micro-batch at most `max_rows` rows and, when `max_tokens` is set, at most that
-    many padded tokens (rows × its longest row; a row longer than that goes alone). Sorted by
-    length, a micro-batch of short responses is padded to its own longest, not the batch's.
+    many padded tokens (rows × its longest row rounded up to ``multiple``, as `_trimmed` cuts it;
+    a row longer than that goes alone). Sorted by length, a micro-batch of short responses is
+    padded to its own longest, not the batch's.
 
     A last micro-batch of one row takes a row from the one before when that has three or more
     (both caps still hold: two rows no longer than that one's shortest): under `train.compile`
     a one-row batch is a shape of its own to dynamo (it specializes sizes 0 and 1), and meeting
     one mid-run recompiled every block variant, 20 s of a 6 s step on the `small` model."""
     order = torch.argsort(lengths.cpu(), descending=True, stable=True).tolist()
-    sizes = lengths.cpu().tolist()
+    sizes = [padded_length(n, multiple) for n in lengths.cpu().tolist()]
     out: list[list[int]] = []
     for i in order:
         cur = out[-1] if out else None
@@ -449,11 +472,12 @@ def in_row_order(chunks: list[Tensor], parts: list[Tensor]) -> Tensor:
     return torch.cat(parts)[torch.argsort(rows)]
 
 
-def _trimmed(ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor, rows: Tensor
+def _trimmed(ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor, rows: Tensor, multiple: int | str = 1
              ) -> tuple[tuple[Tensor, Tensor, Tensor], int]:
-    """The rows' inputs cut to their longest sequence and response, and the response columns cut."""
+    """The rows' inputs cut to their longest sequence (rounded up to ``multiple``, within the
+    layout's width) and response, and the response columns cut."""
     c_attn = attn[rows]
-    length = int(c_attn.sum(dim=1).max())
+    length = padded_length(int(c_attn.sum(dim=1).max()), multiple, attn.shape[1])
     t_len = max(int(mask[rows].sum(dim=1).max()), min(1, index.shape[1]))
     return (ids[rows][:, :length], c_attn[:, :length], index[rows][:, :t_len]), index.shape[1] - t_len
 
@@ -656,12 +680,13 @@ class FrozenReference:
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         precision = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
                      if self.autocast_dtype is not None else contextlib.nullcontext())
+        q = cfg.train.pad_to_multiple
         ids, attn, index, mask = response_layout([list(p) for p in prompt_ids], responses, self.pad_id,
-                                                 self.device)
+                                                 self.device, q)
         out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         with torch.no_grad(), precision:
-            for c in micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens):
-                out[c] = chunk_logprobs(self.run, ids, attn, index, mask, c, temperature=temp)[0]
+            for c in micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens, q):
+                out[c] = chunk_logprobs(self.run, ids, attn, index, mask, c, temperature=temp, multiple=q)[0]
         out = out.cpu()
         return [out[i, : len(r)].tolist() for i, r in enumerate(responses)]
 
@@ -813,8 +838,13 @@ class Learner:
     # ------------------------------------------------------------------ batches and forwards
     def _layout(self, prompt_ids: list[list[int]], response_ids: list[list[int]]
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """`response_layout` with this learner's pad token, on its device."""
-        return response_layout(prompt_ids, response_ids, self.pad_id, self.device)
+        """`response_layout` with this learner's pad token and `train.pad_to_multiple`, on its device."""
+        return response_layout(prompt_ids, response_ids, self.pad_id, self.device, self.cfg.train.pad_to_multiple)
+
+    def _micro_batches(self, lengths: Tensor) -> list[Tensor]:
+        """`micro_batches` of rows with these sequence lengths, at this run's caps."""
+        t = self.cfg.train
+        return micro_batches(lengths, t.micro_batch_size, t.micro_batch_tokens, t.pad_to_multiple)
 
     def _logprobs(self, model: nn.Module, ids: Tensor, attn: Tensor, index: Tensor, *,
                   entropy: bool = False, entropy_grad: bool = True, temperature: float = 1.0,
@@ -832,10 +862,10 @@ class Learner:
                         rows: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """`chunk_logprobs` of ``model`` (through its FSDP root when sharded)."""
         run = self._forwards.get(id(model)) or ResponseLogprobs(model)
-        return chunk_logprobs(run, ids, attn, index, mask, rows, **kwargs)
+        return chunk_logprobs(run, ids, attn, index, mask, rows, multiple=self.cfg.train.pad_to_multiple, **kwargs)
 
     def _chunk_values(self, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
-        (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows)
+        (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows, self.cfg.train.pad_to_multiple)
         return F.pad(self._values(c_ids, c_attn, c_index), (0, pad))
 
     def _idle_passes(self, count: int, *, train: bool = False, policy_old: bool = False,
@@ -910,10 +940,11 @@ class Learner:
         tok = self.tokenizer
         p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         r_ids = [tok(t, add_special_tokens=False)["input_ids"] + [self.eos_id] for t in targets]
-        ids, attn, index, mask = self._layout(p_ids, r_ids)
+        # the full forward at the batch's own width, as before: the SFT warm start keeps its
+        # numerics (its accuracy jump after a fixed number of steps is sensitive to them; see
+        # bench/learn_check.py)
+        ids, attn, index, mask = response_layout(p_ids, r_ids, self.pad_id, self.device)
         self._zero_grad(optimizer, self.policy_grads)
-        # the full forward, as before: the SFT warm start keeps its numerics (its accuracy jump
-        # after a fixed number of steps is sensitive to them; see bench/learn_check.py)
         lp, _ = self._logprobs(self.policy, ids, attn, index, response_only=False)
         loss = -A.masked_mean(lp, mask)  # token-mean cross entropy on the completion
         loss.backward()
@@ -955,8 +986,7 @@ class Learner:
         chunks: list[Tensor] = []
         if rows:
             ids, attn, index, mask = self._layout(batch.prompt_ids, batch.response_ids)
-            chunks = micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size,
-                                   cfg.train.micro_batch_tokens)
+            chunks = self._micro_batches(attn.sum(dim=1))
         n_chunks = len(chunks)
         # the reference pass runs on the rows whose reference log-probs did not come with them
         given_ref, ref_chunks = (self._given_reference(batch, attn, mask, chunks)
@@ -1122,11 +1152,11 @@ class Learner:
 
     def _share(self, batch: RLBatch) -> _Share:
         """A rank's rows laid out as every rank that trains a micro-batch of them needs them."""
-        cfg, algo = self.cfg, self.cfg.algorithm
+        algo = self.cfg.algorithm
         if not len(batch):
             return _Share(batch, [])
         ids, attn, index, mask = self._layout(batch.prompt_ids, batch.response_ids)
-        chunks = micro_batches(attn.sum(dim=1), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens)
+        chunks = self._micro_batches(attn.sum(dim=1))
         scores = self._scores(batch, mask)
         adv = (A.grpo_advantages(scores, batch.n, algo.norm_adv_by_std) if algo.name == "grpo"
                else A.rloo_advantages(scores, batch.n))
@@ -1399,9 +1429,7 @@ class Learner:
         if not todo:
             return out, []
         left = torch.tensor(todo, dtype=torch.long, device=attn.device)
-        cfg = self.cfg.train
-        return out, [left[c] for c in micro_batches(attn[left].sum(dim=1), cfg.micro_batch_size,
-                                                    cfg.micro_batch_tokens)]
+        return out, [left[c] for c in self._micro_batches(attn[left].sum(dim=1))]
 
     def _reference_rows(self, batch: RLBatch, mask: Tensor) -> tuple[Tensor, list[int]]:
         """The reference log-probs ``[B, T]`` that came with the batch (zeros elsewhere) and the

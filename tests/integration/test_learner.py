@@ -532,7 +532,7 @@ def test_a_compiled_learner_meets_no_one_row_micro_batch_it_could_avoid(nano, ea
 
 
 def test_micro_batches_sort_rows_by_length_and_cap_rows_and_padded_tokens():
-    from trainer.learner import in_row_order, micro_batches
+    from trainer.learner import in_row_order, micro_batches, padded_length
 
     lengths = torch.tensor([5, 40, 12, 40, 7, 100, 3, 12])
     chunks = micro_batches(lengths, max_rows=3, max_tokens=90)
@@ -549,6 +549,13 @@ def test_micro_batches_sort_rows_by_length_and_cap_rows_and_padded_tokens():
     assert [len(c) for c in micro_batches(torch.tensor([9, 8, 7, 6, 5, 4, 3]), max_rows=2)] == [2, 2, 2, 1]
     assert [len(c) for c in micro_batches(torch.tensor([60, 50, 10]), max_rows=8, max_tokens=90)] == [1, 1, 1]
     assert len(micro_batches(lengths, max_rows=64)) == 1  # no token cap: rows only
+    # train.pad_to_multiple: auto rounds to 16 or a smaller power of two within 1/16 of the length
+    assert [padded_length(n, "auto") for n in (7, 38, 103, 200, 255, 257, 1000)] == [7, 38, 104, 200, 256, 272, 1008]
+    assert [padded_length(n, 16, cap=40) for n in (1, 16, 17, 39)] == [16, 16, 32, 40]
+    # the cap counts a micro-batch at the width it is cut to (17 -> 32)
+    three = torch.tensor([17, 15, 9])
+    assert [len(c) for c in micro_batches(three, max_rows=8, max_tokens=48)] == [2, 1]
+    assert [len(c) for c in micro_batches(three, max_rows=8, max_tokens=48, multiple=16)] == [1, 2]
     # results computed chunk by chunk come back in the batch's row order
     per_chunk = [lengths[c].float().unsqueeze(1) * 10 for c in chunks]
     assert in_row_order(chunks, per_chunk).squeeze(1).tolist() == (lengths * 10).float().tolist()
@@ -556,29 +563,35 @@ def test_micro_batches_sort_rows_by_length_and_cap_rows_and_padded_tokens():
 
 def test_trimmed_micro_batches_train_like_one_padded_batch(nano):
     """`train.micro_batch_tokens`: sorted, trimmed micro-batches (PPO: policy, reference and
-    critic) give the losses, values and weights of the whole batch padded to its longest row."""
+    critic) give the losses, values and weights of the whole batch padded to its longest row,
+    and so do micro-batches cut to widths rounded up to `train.pad_to_multiple`."""
     from trainer import learner as L
 
     runs = {}
-    for tokens in (None, 24):
+    widths: dict[tuple, set[int]] = {}
+    for tokens, multiple in ((None, 1), (24, 1), (24, 8)):
         torch.manual_seed(0)
         cfg = _cfg(nano)
-        cfg["train"].update({"micro_batch_size": 64, "micro_batch_tokens": tokens})
+        cfg["train"].update({"micro_batch_size": 64, "micro_batch_tokens": tokens, "pad_to_multiple": multiple})
         learner = L.Learner(parse_config(cfg), nano)
         batch = _batch(learner, 0, 0, rows=8)
-        ids, attn, *_ = learner._layout(batch.prompt_ids, batch.response_ids)
-        chunks = L.micro_batches(attn.sum(dim=1), 64, tokens)
-        assert len(chunks) == (1 if tokens is None else 3)
+        ids, attn, index, mask = learner._layout(batch.prompt_ids, batch.response_ids)
+        chunks = learner._micro_batches(attn.sum(dim=1))
+        assert (len(chunks) == 1) == (tokens is None)
+        widths[tokens, multiple] = {L._trimmed(ids, attn, index, mask, c, multiple)[0][0].shape[1] for c in chunks}
         before = [p.detach().clone() for p in learner.policy.parameters()]
         metrics = [learner.rl_step(_batch(learner, 0, step, rows=8)) for step in range(2)]
-        runs[tokens] = (metrics, [p.detach().clone() for p in learner.policy.parameters()],
-                        [p.detach().clone() for p in learner.critic.parameters()])
-        assert any(not torch.equal(a, b) for a, b in zip(before, runs[tokens][1], strict=True))
-    one, trimmed = runs[None], runs[24]
-    for key in ("loss/total", "loss/value", "kl/mean", "critic/value_mean", "grad_norm"):
-        assert [m[key] for m in trimmed[0]] == pytest.approx([m[key] for m in one[0]], rel=1e-4, abs=1e-6)
-    for a, b in zip(trimmed[1] + trimmed[2], one[1] + one[2], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        runs[tokens, multiple] = (metrics, [p.detach().clone() for p in learner.policy.parameters()],
+                                  [p.detach().clone() for p in learner.critic.parameters()])
+        assert any(not torch.equal(a, b) for a, b in zip(before, runs[tokens, multiple][1], strict=True))
+    assert all(w % 8 == 0 for w in widths[24, 8])  # the rounded widths, padded beyond every row
+    assert not all(w % 8 == 0 for w in widths[24, 1])  # this batch's own lengths are not
+    one = runs[None, 1]
+    for cut in (runs[24, 1], runs[24, 8]):
+        for key in ("loss/total", "loss/value", "kl/mean", "critic/value_mean", "grad_norm"):
+            assert [m[key] for m in cut[0]] == pytest.approx([m[key] for m in one[0]], rel=1e-4, abs=1e-6)
+        for a, b in zip(cut[1] + cut[2], one[1] + one[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def _controller_run(cfg_data: dict, run_dir: Path, model_dir: Path, max_steps: int) -> dict:

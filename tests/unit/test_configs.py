@@ -38,3 +38,14 @@ def test_tensor_parallel_engines_that_cannot_be_placed_are_refused_naming_the_fi
         parse_config(changes)
     assert "rollout.tensor_parallel_size" in str(err.value) and wanted in str(err.value)
     assert parse_config({"rollout": {"tensor_parallel_size": 2}, "placement": {"devices": 4}})
+
+
+@pytest.mark.parametrize("bad", [0, -16, "sixteen", 2.5])
+def test_a_shape_bucket_that_is_not_auto_or_a_positive_whole_number_is_refused_naming_the_field(bad):
+    from trainer.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as err:
+        parse_config({"train": {"pad_to_multiple": bad}})
+    assert "pad_to_multiple" in str(err.value)
+    assert parse_config({"train": {"pad_to_multiple": 64}}).train.pad_to_multiple == 64
+    assert parse_config({}).train.pad_to_multiple == "auto"
