@@ -343,14 +343,26 @@ def response_layout(prompt_ids: list[list[int]], response_ids: list[list[int]], 
 
 
 def chunk_logprobs(run: ResponseLogprobs, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor,
-                   rows: Tensor, *, multiple: int | str = 1, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+                   rows: Tensor, *, multiple: int | str = 1, min_rows: int = 1, **kwargs: Any
+                   ) -> tuple[Tensor, Tensor | None]:
     """``run``'s log-probs (and entropies) of the batch rows `rows`, cut to their own longest
     sequence (rounded up to ``multiple``) and response (right padding: nothing a kept token
     attends to is cut), padded back to the batch's ``[len(rows), T]`` with zeros where the mask
-    is zero."""
+    is zero. Fewer rows than ``min_rows`` run with copies of the last one (`_rows_floor`),
+    whose outputs are dropped."""
     (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows, multiple)
-    lp, ent = run(c_ids, c_attn, c_index, **kwargs)
+    n = c_ids.shape[0]
+    lp, ent = run(*_with_copies((c_ids, c_attn, c_index), min_rows), **kwargs)
+    lp, ent = lp[:n], (ent[:n] if ent is not None else None)
     return F.pad(lp, (0, pad)), (F.pad(ent, (0, pad)) if ent is not None else None)
+
+
+def _with_copies(tensors: tuple[Tensor, ...], min_rows: int) -> tuple[Tensor, ...]:
+    """The row-aligned ``tensors`` with their last row repeated up to ``min_rows`` rows."""
+    n = tensors[0].shape[0]
+    if n == 0 or n >= min_rows:
+        return tensors
+    return tuple(torch.cat([t, t[-1:].expand(min_rows - n, *t.shape[1:])]) for t in tensors)
 
 
 def micro_batches(lengths: Tensor, max_rows: int, max_tokens: int | None = None, multiple: int | str = 1
@@ -735,9 +747,10 @@ class Learner:
         if cfg.train.compile:
             # every block of every model shares one code object (its class's forward), compiled
             # once per variant: grad mode, which tensors need grad (policy, frozen reference,
-            # critic), batches of one row. Sharded in bf16 with checkpointing, a policy and a
-            # reference make 8 (bench/gpu_check.py), a critic 10: past dynamo's default limit, 8,
-            # it runs the rest eagerly without a word
+            # critic), batches of one row (a row too long to pair with another, `_rows_floor`).
+            # Sharded in bf16 with checkpointing, a policy and a reference make 8
+            # (bench/gpu_check.py), a critic 10: past dynamo's default limit, 8, it runs the rest
+            # eagerly without a word
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                        COMPILE_VARIANTS)
             # each block on its own (torchtitan's order: compile, then shard); after the deep
@@ -858,15 +871,31 @@ class Learner:
         assert self.critic is not None
         return self.critic(ids, attn)[:, :-1].float().gather(1, index)
 
+    def _rows_floor(self, attn: Tensor, rows: Tensor) -> int:
+        """How many rows a micro-batch of ``rows`` runs with: under `train.compile`, a lone row
+        runs with a copy of itself where the caps (`train.micro_batch_size`,
+        `train.micro_batch_tokens`) would take two rows of its width. Dynamo specializes a batch
+        of one row, so meeting one mid-run compiles every block variant again: 10 s of a 6 s
+        step when the rollout worker's reference share left the training rank one row
+        (disaggregated, generation-heavy benchmark). A row alone because two would pass the
+        token cap stays alone: such rows recur, and their variant is compiled once."""
+        t = self.cfg.train
+        if not t.compile or len(rows) != 1 or t.micro_batch_size < 2:
+            return 1
+        width = padded_length(int(attn[rows].sum()), t.pad_to_multiple, attn.shape[1])
+        return 2 if t.micro_batch_tokens is None or 2 * width <= t.micro_batch_tokens else 1
+
     def _chunk_logprobs(self, model: nn.Module, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor,
                         rows: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """`chunk_logprobs` of ``model`` (through its FSDP root when sharded)."""
         run = self._forwards.get(id(model)) or ResponseLogprobs(model)
-        return chunk_logprobs(run, ids, attn, index, mask, rows, multiple=self.cfg.train.pad_to_multiple, **kwargs)
+        return chunk_logprobs(run, ids, attn, index, mask, rows, multiple=self.cfg.train.pad_to_multiple,
+                              min_rows=self._rows_floor(attn, rows), **kwargs)
 
     def _chunk_values(self, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
-        (c_ids, c_attn, c_index), pad = _trimmed(ids, attn, index, mask, rows, self.cfg.train.pad_to_multiple)
-        return F.pad(self._values(c_ids, c_attn, c_index), (0, pad))
+        trimmed, pad = _trimmed(ids, attn, index, mask, rows, self.cfg.train.pad_to_multiple)
+        values = self._values(*_with_copies(trimmed, self._rows_floor(attn, rows)))
+        return F.pad(values[: len(rows)], (0, pad))
 
     def _idle_passes(self, count: int, *, train: bool = False, policy_old: bool = False,
                      reference: bool = False, critic: bool = False, temperature: float = 1.0) -> None:

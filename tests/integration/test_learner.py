@@ -6,6 +6,7 @@ Two data-parallel ranks are two real processes joined by the gloo all-reduce the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 from pathlib import Path
@@ -529,6 +530,35 @@ def test_a_compiled_learner_meets_no_one_row_micro_batch_it_could_avoid(nano, ea
     graphs = counters["stats"]["unique_graphs"]
     assert math.isfinite(learner.rl_step(_batch(learner, 0, 1, rows=10))["loss/total"])  # 3 + 3 + 2 + 2
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_compiled_learner_runs_a_lone_row_with_a_copy_and_learns_the_same(nano, eager_compile, algo):
+    """`train.compile`: a micro-batch left with one row (three rows by two, as when a rollout
+    worker scored the reference of all but one row) runs with a copy of that row, so the step compiles
+    no one-row variant mid-run (dynamo specializes size 1), and the step's losses and weights
+    are those of the eager learner on the same batches. Eager backend."""
+    from torch._dynamo.utils import counters
+
+    from trainer import learner as L
+
+    learners = {}
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        cfg = _cfg(nano, name=algo, kl_coef=0.05)
+        cfg["train"].update(compile=compiled, micro_batch_size=2)
+        learners[compiled] = L.Learner(parse_config(cfg), nano)
+    losses: dict[bool, list[float]] = {True: [], False: []}
+    for compiled, learner in learners.items():
+        losses[compiled].append(learner.rl_step(_batch(learner, 0, 0, rows=4))["loss/total"])  # 2 + 2
+        graphs = counters["stats"]["unique_graphs"]
+        lone = dataclasses.replace(_batch(learner, 0, 1, rows=3), n=3)  # one group of 3: 2 + 1
+        losses[compiled].append(learner.rl_step(lone)["loss/total"])
+        if compiled:
+            assert counters["stats"]["unique_graphs"] == graphs
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4, abs=1e-6)
+    for a, b in zip(learners[True].policy.parameters(), learners[False].policy.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_micro_batches_sort_rows_by_length_and_cap_rows_and_padded_tokens():
