@@ -39,9 +39,17 @@ PRINTER = (
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
     root = tmp_path_factory.mktemp("ray")
     settings = Settings(data_dir=root, database_url="sqlite://")
-    port, dashboard_port = free_ports(2)
-    started = start_head(settings, port=port, dashboard_port=dashboard_port, devices=1,
-                         log_path=root / "ray-head.log", timeout_s=300)
+    for attempt in range(3):
+        # a port found free can be taken before Ray's GCS binds it (once in CI, 2026-12-06:
+        # "Failed to start the grpc server", ray start exiting with 1): fresh ports, again
+        port, dashboard_port = free_ports(2)
+        try:
+            started = start_head(settings, port=port, dashboard_port=dashboard_port, devices=1,
+                                 log_path=root / "ray-head.log", timeout_s=300)
+            break
+        except RuntimeError:
+            if attempt == 2:
+                raise
     try:
         yield started
     finally:
