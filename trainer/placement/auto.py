@@ -28,7 +28,9 @@ plan, resume). Phases of a run:
    the candidates are compared again on the current work: a switch, or "kept" when the gain is
    too small. After a switch the measured step time of the new plan is reported and the model
    refitted on the steps both plans ran since the shift; a switch that measured slower than the
-   plan it left is reverted.
+   plan it left is reverted. The revert's follow-up checks it in turn: when the plan gone back to
+   no longer measures what the revert went by, the workload shifted while the other plan was
+   measured, and the two plans' steps since then decide (`_check_revert`).
 
 Candidates come from `CANDIDATE_FAMILIES`, one entry per mode: colocate, disaggregated with every
 split, and partial_colocate with every number of scoring devices when the reward is a model.
@@ -369,6 +371,9 @@ class AutoPlanner:
         self._left: tuple[Layout, list[float]] | None = None
         self.fresh_since = 0  # steps before this one were measured before the last shift: stale
         self._reprofiling = False  # the pending switch measures a plan the model could not decide on
+        # after a revert: the plan it reverted from, its step times and first step, and the step
+        # time of the plan it went back to that the revert went by (`_check_revert`)
+        self._reverted: tuple[Layout, list[float], int, float] | None = None
 
     # ------------------------------------------------------------------ the driver's calls
     def observe(self, step: int, metrics: dict[str, float], *, now: float | None = None) -> list[Decision]:
@@ -455,8 +460,19 @@ class AutoPlanner:
             recent = recent[-max(4, self.replan_every // 2):]
             cause["model_update"] = "same"
         else:
-            recent = self._since_shift(recent)  # the drift may have begun mid-window
-            self.fresh_since = self._step_of(recent[0])
+            # the drift may have begun mid-window: the steps before it are stale, also as what a
+            # re-profile compares with (a step from before a slowdown made the plan the run left
+            # look faster than it was, and a faster alternative was sent back within the noise)
+            self.fresh_since = self._step_of(recent[self._shift_index(recent)])
+            since = len(recent) - self._shift_index(recent)
+            if since < self.profile_steps:
+                # too few steps since the shift to tell a load from a phase, or for a re-profile to
+                # compare with (2 steps whose work varies ±20% gave a noise margin no plan clears):
+                # check again once this plan has `profile_steps` of them
+                self.anchor_step = step - self.replan_every + self.profile_steps - since
+                self.checks[-1]["deferred"] = True
+                return []
+            recent = self._since_shift(recent)
             measured["step"] = _mean([o.get("time/step") for o in recent])
             cause["stale_before_step"] = self.fresh_since
             speed = self._uniform_speed(recent)
@@ -562,6 +578,16 @@ class AutoPlanner:
         left = self._left
         self._left = None
         reprofile, self._reprofiling = self._reprofiling, False
+        reverted, self._reverted = self._reverted, None
+        stale = None
+        if reverted is not None:
+            judged = reverted[3]
+            stale_drift = abs(measured - judged) / judged if judged > 0 else 0.0
+            if self.phase == "steady" and stale_drift > self.drift_threshold:
+                # the revert went by this plan's steps from before a shift: both plans' steps since
+                # the plan it reverted from began measuring are what compare now
+                stale = (stale_drift, reverted)
+                self.fresh_since = max(self.fresh_since, reverted[2])
         # both plans now have steps measured since the last shift: refit on those alone
         preds: list[dict[str, Any]] = []
         fresh = [o for o in self.obs if self._step_of(o) >= self.fresh_since]
@@ -576,7 +602,8 @@ class AutoPlanner:
             # the run was on by more than the noise of the two means (_noise_margin)
             margin = _noise_margin(left[1], times)
             keep = left_s - measured > margin
-            noise = {"left_step_s": left_s, "noise_margin_s": margin, "reprofile_kept": keep}
+            noise = {"left_step_s": left_s, "left_steps": len(left[1]), "noise_margin_s": margin,
+                     "reprofile_kept": keep}
             reason += (f" (a re-profile: {'faster' if measured < left_s else 'slower'} than the "
                        f"{left_s:.3f} s/step {layout_label(left[0])} measured before it; noise "
                        f"margin {margin:.3f} s ({REPROFILE_SE:g} standard errors of the "
@@ -590,6 +617,8 @@ class AutoPlanner:
         if preds:
             self.anchor = next(p["phases"] for p in preds if p["layout"] == self.layout)
             self.anchor_work, self.anchor_step = self._pred_work, step
+        if stale is not None:
+            return out + self._check_revert(step, here, times, preds, *stale)
         # a re-profile goes back unless the plan it measured was faster beyond the noise; a switch
         # the model was sure of is reverted only when it measured slower by the gain threshold (no
         # ping-pong on noisy steps)
@@ -607,11 +636,45 @@ class AutoPlanner:
                                     predicted=left_s, measured=measured,
                                     switch_cost={"reprofile": True, **noise} if reprofile else None))
             self._left = None  # a revert is not itself reverted: no ping-pong on noisy steps
+            # ... but it is checked: back on the plan it left, its steps must still measure what
+            # the revert went by (a shift during the measurement makes them stale)
+            self._reverted = (self.layout, times, self._step_of(here[0]), left_s)
             # the model was wrong here: later checks compare against what the plan measured
             back_obs = self._recent(back, self.profile_steps)
             if back_obs:
                 self.anchor, self.anchor_work = _measured_times(back_obs), _work(back_obs)
         return out
+
+    def _check_revert(self, step: int, here: list[StepObservation], times: list[float],
+                      preds: list[dict[str, Any]], drift: float,
+                      reverted: tuple[Layout, list[float], int, float]) -> list[Decision]:
+        """Back on the plan a revert returned to, its steps measured `drift` off the step time the
+        revert went by: the workload shifted while the other plan was measured (a re-profile decided
+        before a shift and measured after it compares the new workload on one plan with the old on
+        the other). Both plans' steps since then are what compare: switch to the one reverted from
+        when it measured faster beyond the noise of the two means, else keep this plan; either way
+        later checks compare with what this plan measures now."""
+        other, other_times, other_from, judged = reverted
+        measured, other_s = _mean(times), _mean(other_times)
+        margin = _noise_margin(times, other_times)
+        why = (f"{layout_label(self.layout)} measured {measured:.3f} s/step back on it, drifted "
+               f"{drift:.0%} from the {judged:.3f} s/step the revert went by: the workload shifted "
+               f"while {layout_label(other)} was measured, so its {other_s:.3f} s/step from step "
+               f"{other_from} on is what compares")
+        extra = {"left_step_s": measured, "noise_margin_s": margin, "stale_before_step": other_from,
+                 "stale_revert": True}
+        self.anchor, self.anchor_work = _measured_times(here), _work(here)
+        if measured - other_s > margin:
+            d = self._decide("replan", step, other, preds,
+                             why + f": faster by more than the noise margin ({margin:.3f} s), switching to it",
+                             predicted=other_s, measured=measured, drift=drift, switch_cost=extra)
+            self._left = None  # settled on both plans' steps after the shift: not reverted again
+            return [d]
+        d = self._decide("kept", step, self.layout, preds,
+                         why + f": not faster by more than the noise margin ({margin:.3f} s), kept",
+                         predicted=measured, measured=measured, drift=drift, switch_cost=extra)
+        self.anchor, self.anchor_work, self.last_kept_step = _measured_times(here), _work(here), step
+        return [d]
 
     # ------------------------------------------------------------------ choosing
     def _choose(self, kind: str, step: int, preds: list[dict[str, Any]], best: dict[str, Any], *,
@@ -718,16 +781,21 @@ class AutoPlanner:
             return None
         return sum(meas[k] for k in big) / sum(pred[k] for k in big)
 
-    def _since_shift(self, recent: list[StepObservation]) -> list[StepObservation]:
-        """The steps of `recent` after the shift: the newest ones whose step time is nearer the two
-        newest steps' than the last prediction's (at least 3)."""
+    def _shift_index(self, recent: list[StepObservation]) -> int:
+        """Where in `recent` the shift began: the first of the newest steps whose step time is
+        nearer the two newest steps' than the last prediction's."""
         assert self.anchor is not None
         times = [o.get("time/step") for o in recent]
         new, old = _mean(times[-2:]), self.anchor.step
         k = len(times)
         while k > 0 and abs(times[k - 1] - new) <= abs(times[k - 1] - old):
             k -= 1
-        return recent[min(k, max(0, len(recent) - 3)):]
+        return min(k, len(recent) - 1)
+
+    def _since_shift(self, recent: list[StepObservation]) -> list[StepObservation]:
+        """The steps of `recent` after the shift (`_shift_index`), at least 3 of them: what the
+        attributions are fitted on."""
+        return recent[min(self._shift_index(recent), max(0, len(recent) - 3)):]
 
     def _attributions(self, recent: list[StepObservation]) -> list[CostParams]:
         """Parameter sets that each reproduce this plan's measured phases on the work of `recent`,
