@@ -524,3 +524,13 @@ def test_a_shift_two_steps_before_a_check_compares_the_re_profile_with_steps_aft
         assert m.extra["left_step_s"] == pytest.approx(truth[COLOCATE], rel=0.1)
         assert m.extra["reprofile_kept"] is True, seed
         assert sum(d.switch for d in out) == 1 and all(layouts[s] == DISAGG for s in range(m.step + 1, 141))
+
+
+def test_a_check_waits_for_no_more_steps_after_a_shift_than_its_window_holds():
+    # profile_steps 6 over a window of replan_every 4: waiting for 6 steps after the shift in a
+    # window of 4 would wait for ever (it did: colocate to step 140); it waits for at most 4
+    planner = AutoPlanner(cfg(profile_steps=6, replan_every=4), param_bytes=4e6)
+    decisions, layouts = drive(planner, 140, params_at=lambda s: PER_DECODE_STEP if s > 60 else TRUE,
+                               length_at=lambda s: 3.0 if s > 60 else 1.0)
+    assert layouts[60] == COLOCATE and layouts[140] == DISAGG
+    assert next(d for d in decisions if d.step > 60 and d.switch).step <= 70

@@ -465,11 +465,12 @@ class AutoPlanner:
             # look faster than it was, and a faster alternative was sent back within the noise)
             self.fresh_since = self._step_of(recent[self._shift_index(recent)])
             since = len(recent) - self._shift_index(recent)
-            if since < self.profile_steps:
+            need = min(self.profile_steps, self.replan_every)  # the window holds replan_every steps
+            if since < need:
                 # too few steps since the shift to tell a load from a phase, or for a re-profile to
                 # compare with (2 steps whose work varies ±20% gave a noise margin no plan clears):
                 # check again once this plan has `profile_steps` of them
-                self.anchor_step = step - self.replan_every + self.profile_steps - since
+                self.anchor_step = step - self.replan_every + need - since
                 self.checks[-1]["deferred"] = True
                 return []
             recent = self._since_shift(recent)
