@@ -27,6 +27,24 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def start_test_head(settings: Any, *, devices: int, log_path: Path, exclude: set[int] | frozenset[int] = frozenset(),
+                    timeout_s: float = 120.0, attempts: int = 3) -> Any:
+    """A local Ray head on free ports, tried again on fresh ones when `ray start` exits: a port
+    found free can be taken before Ray's GCS binds it (in CI, 2026-12-06: "Failed to start the grpc
+    server", `ray start` exiting with 1) by another test's server or Ray's own workers."""
+    from backend.dispatch.local_ray import start_head
+
+    for attempt in range(attempts):
+        port, dashboard_port = free_ports(2, exclude=exclude)
+        try:
+            return start_head(settings, port=port, dashboard_port=dashboard_port, devices=devices,
+                              log_path=log_path, timeout_s=timeout_s)
+        except RuntimeError:  # exited early; a head that started and never answered is not retried
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def create_pg_database(prefix: str) -> tuple[str, str]:
     """A fresh PostgreSQL database; returns (SQLAlchemy URL, name)."""
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
@@ -79,15 +97,11 @@ class Stack:
 
     def start_ray(self, devices: int = 2) -> None:
         """A local Ray head offering `devices` (0: every run must go to another node)."""
-        from backend.dispatch.local_ray import start_head
         from backend.settings import Settings
 
         settings = Settings(data_dir=self.data_dir, database_url="sqlite://")
-        port, dashboard_port = free_ports(2, exclude={self.api_port})
-        self.head = start_head(
-            settings, port=port, dashboard_port=dashboard_port, devices=devices,
-            log_path=self.root / "ray-head.log",
-        )
+        self.head = start_test_head(settings, devices=devices, log_path=self.root / "ray-head.log",
+                                    exclude={self.api_port})
 
     def start(self, name: str) -> None:
         for attempt in range(3):

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend.dispatch.local_ray import LocalHead, start_head, stop_head
+from backend.dispatch.local_ray import LocalHead, stop_head
 from backend.dispatch.ray_cluster import JobNotFound, RayCluster
 from backend.dispatch.routes import LogSnapshot, follow_log, tail_lines
 from backend.settings import Settings
-from tests.stack import free_ports
+from tests.stack import start_test_head
 
 pytestmark = pytest.mark.slow
 
@@ -39,17 +39,7 @@ PRINTER = (
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
     root = tmp_path_factory.mktemp("ray")
     settings = Settings(data_dir=root, database_url="sqlite://")
-    for attempt in range(3):
-        # a port found free can be taken before Ray's GCS binds it (once in CI, 2026-12-06:
-        # "Failed to start the grpc server", ray start exiting with 1): fresh ports, again
-        port, dashboard_port = free_ports(2)
-        try:
-            started = start_head(settings, port=port, dashboard_port=dashboard_port, devices=1,
-                                 log_path=root / "ray-head.log", timeout_s=300)
-            break
-        except RuntimeError:
-            if attempt == 2:
-                raise
+    started = start_test_head(settings, devices=1, log_path=root / "ray-head.log", timeout_s=300)
     try:
         yield started
     finally:
