@@ -255,3 +255,59 @@ def test_a_resumed_fsdp_run_follows_the_curve_of_one_that_never_stopped(nano, tm
 
     final = AutoModelForCausalLM.from_pretrained(str(tmp_path / "straight" / "final"))
     assert final.config.architectures == ["Qwen2ForCausalLM"]
+
+
+def _padded_batch(rank: int, step: int, rows: int):
+    """`rows` rows of distinct lengths (every micro-batch of two is padded), fixed per rank/step."""
+    from trainer.learner import RLBatch
+
+    g = torch.Generator().manual_seed(100 * rank + step)
+    prompts = [torch.randint(2, 60, (3,), generator=g).tolist() for _ in range(rows)]
+    responses = [torch.randint(2, 60, (2 + i,), generator=g).tolist() for i in range(rows)]
+    logprobs = [(-torch.rand(len(r), generator=g) * 4).tolist() for r in responses]
+    return RLBatch(prompt_ids=prompts, response_ids=responses, scores=[float(i % 2) for i in range(rows)],
+                   n=2, truncated=[False] * rows, sample_logprobs=logprobs, staleness=[0] * rows)
+
+
+# rank → rows at each step: rank 1 has one micro-batch fewer at step 1 and none at step 2
+IDLE_ROWS = {0: [4, 4, 4], 1: [4, 2, 0]}
+
+
+def _compiled_rank(rank: int, port: int, cfg_data: dict, model_dir: str, out: str) -> None:
+    """A compiled, sharded learner (dynamo's eager backend): its graph count after each step."""
+    from torch._dynamo.utils import counters
+
+    from trainer.learner import DataParallelGroup, Learner
+
+    torch.set_num_threads(1)
+    compile_module = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **kw: compile_module(self, backend="eager", **kw)
+    group = DataParallelGroup("127.0.0.1", port, rank, 2)
+    learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
+    graphs, losses = [], []
+    for step, rows in enumerate(IDLE_ROWS[rank]):
+        metrics = learner.rl_step(_padded_batch(rank, step, rows))
+        losses.append(metrics.get("loss/total"))
+        graphs.append(counters["stats"]["unique_graphs"])
+    group.barrier()
+    torch.save({"graphs": graphs, "losses": losses}, out)
+
+
+def test_a_compiled_sharded_rank_with_fewer_micro_batches_compiles_nothing_new(nano, tmp_path):
+    """`train.compile` with FSDP2: a rank with fewer micro-batches than the other (or none) runs
+    idle passes for the collectives. They ran one row of two tokens with no padding: a shape no
+    micro-batch has (dynamo specializes a batch of one row; HF gives the blocks no mask without
+    padding), so a rank compiled the blocks again when it first fell short, mid-run (here rank 1
+    went from 4 graphs to 5 at step 1). They now run at the shape of the rank's last
+    micro-batch: the steps after the first compile nothing on either rank."""
+    cfg_data = _cfg(nano, strategy="fsdp2", compile=True)
+    cfg_data["algorithm"] = {"name": "grpo", "kl_coef": 0.05}
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    port = _free_port()
+    _spawn(_compiled_rank, lambda r: (r, port, cfg_data, str(nano), outs[r]))
+    ranks = [torch.load(o, weights_only=False) for o in outs]
+    for r, got in enumerate(ranks):
+        first, *later = got["graphs"]
+        assert first > 0, f"rank {r}: nothing compiled: vacuous"
+        assert later == [first] * len(later), f"rank {r} compiled at a later step: {got['graphs']}"
+    assert all(loss is not None for loss in ranks[0]["losses"])  # rank 0 trained every step
