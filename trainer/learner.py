@@ -744,8 +744,9 @@ class Learner:
         self._forwards: dict[int, ResponseLogprobs] = {id(self.policy): ResponseLogprobs(self.policy)}
         if self.reference is not None:
             self._forwards[id(self.reference)] = ResponseLogprobs(self.reference)
-        # (rows, width, padded) of `_idle_passes`; under compile, the last micro-batch's shape
-        self._idle_shape = (2 if cfg.train.compile and cfg.train.micro_batch_size >= 2 else 1, 2, False)
+        # under compile, the last micro-batch (batch attention mask, its rows, rows it ran with):
+        # the shape `_idle_passes` runs, worked out only when one runs
+        self._last_micro: tuple[Tensor, Tensor, int] | None = None
         if cfg.train.compile:
             # every block of every model shares one code object (its class's forward), compiled
             # once per variant: grad mode, which tensors need grad (policy, frozen reference,
@@ -892,27 +893,35 @@ class Learner:
         """`chunk_logprobs` of ``model`` (through its FSDP root when sharded)."""
         run = self._forwards.get(id(model)) or ResponseLogprobs(model)
         min_rows = self._rows_floor(attn, rows)
-        self._note_shape(attn, rows, min_rows)
+        self._note_micro(attn, rows, min_rows)
         return chunk_logprobs(run, ids, attn, index, mask, rows, multiple=self.cfg.train.pad_to_multiple,
                               min_rows=min_rows, **kwargs)
 
     def _chunk_values(self, ids: Tensor, attn: Tensor, index: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
         trimmed, pad = _trimmed(ids, attn, index, mask, rows, self.cfg.train.pad_to_multiple)
         min_rows = self._rows_floor(attn, rows)
-        self._note_shape(attn, rows, min_rows)
+        self._note_micro(attn, rows, min_rows)
         values = self._values(*_with_copies(trimmed, min_rows))
         return F.pad(values[: len(rows)], (0, pad))
 
-    def _note_shape(self, attn: Tensor, rows: Tensor, min_rows: int) -> None:
-        """Under `train.compile`, the shape the blocks last ran (`_idle_passes` runs it again):
-        rows, width, and whether a row was padded (HF passes the blocks no mask without padding,
-        a mask with it: two variants)."""
-        if not self.cfg.train.compile or len(rows) == 0:
-            return
-        c_attn = attn[rows]
-        lengths = c_attn.sum(dim=1)
+    def _note_micro(self, attn: Tensor, rows: Tensor, min_rows: int) -> None:
+        """Under `train.compile` on a sharded learner, remember the micro-batch the blocks last ran
+        (`_idle_shape` reads its shape, only when an idle pass needs it)."""
+        if self.cfg.train.compile and self.sharded and len(rows):
+            self._last_micro = (attn, rows, min_rows)
+
+    def _idle_shape(self) -> tuple[int, int, bool]:
+        """Rows, width and whether a row is padded, of `_idle_passes`: one row of two tokens, or
+        under `train.compile` the last micro-batch's (two rows before any). HF passes the blocks
+        no mask without padding and a mask with it: two variants."""
+        if not self.cfg.train.compile:
+            return 1, 2, False
+        if self._last_micro is None:
+            return (2 if self.cfg.train.micro_batch_size >= 2 else 1), 2, False
+        attn, rows, min_rows = self._last_micro
+        lengths = attn[rows].sum(dim=1)
         width = padded_length(int(lengths.max()), self.cfg.train.pad_to_multiple, attn.shape[1])
-        self._idle_shape = (max(len(rows), min_rows), width, bool((lengths < width).any()))
+        return max(len(rows), min_rows), width, bool((lengths < width).any())
 
     def _idle_passes(self, count: int, *, train: bool = False, policy_old: bool = False,
                      reference: bool = False, critic: bool = False, temperature: float = 1.0) -> None:
@@ -921,13 +930,13 @@ class Learner:
         Under FSDP2 each forward and backward all-gathers and reduce-scatters, so a rank with
         fewer micro-batches than the others (or none) runs these instead: the same collectives
         in the same order, and gradients of exactly zero. Under `train.compile` they run at the
-        shape of this rank's last micro-batch (`_note_shape`; two rows before any) instead of
+        shape of this rank's last micro-batch (`_idle_shape`; two rows before any) instead of
         one row of two tokens: dynamo specializes a batch of one row, and HF gives the blocks no
         mask where nothing is padded, so the first idle pass compiled the blocks again, mid-run.
         """
         if count <= 0:
             return
-        rows, width, padded = self._idle_shape
+        rows, width, padded = self._idle_shape()
         ids = torch.full((rows, width), self.eos_id, dtype=torch.long, device=self.device)
         attn = torch.ones_like(ids)
         if padded:

@@ -463,8 +463,9 @@ class AutoPlanner:
             # the drift may have begun mid-window: the steps before it are stale, also as what a
             # re-profile compares with (a step from before a slowdown made the plan the run left
             # look faster than it was, and a faster alternative was sent back within the noise)
-            self.fresh_since = self._step_of(recent[self._shift_index(recent)])
-            since = len(recent) - self._shift_index(recent)
+            k = self._shift_index(recent)
+            self.fresh_since = self._step_of(recent[k])
+            since = len(recent) - k
             need = min(self.profile_steps, self.replan_every)  # the window holds replan_every steps
             if since < need:
                 # too few steps since the shift to tell a load from a phase, or for a re-profile to
@@ -473,7 +474,7 @@ class AutoPlanner:
                 self.anchor_step = step - self.replan_every + need - since
                 self.checks[-1]["deferred"] = True
                 return []
-            recent = self._since_shift(recent)
+            recent = recent[min(k, max(0, len(recent) - 3)):]  # at least 3 to fit attributions on
             measured["step"] = _mean([o.get("time/step") for o in recent])
             cause["stale_before_step"] = self.fresh_since
             speed = self._uniform_speed(recent)
@@ -664,7 +665,6 @@ class AutoPlanner:
                f"{other_from} on is what compares")
         extra = {"left_step_s": measured, "noise_margin_s": margin, "stale_before_step": other_from,
                  "stale_revert": True}
-        self.anchor, self.anchor_work = _measured_times(here), _work(here)
         if measured - other_s > margin:
             d = self._decide("replan", step, other, preds,
                              why + f": faster by more than the noise margin ({margin:.3f} s), switching to it",
@@ -792,11 +792,6 @@ class AutoPlanner:
         while k > 0 and abs(times[k - 1] - new) <= abs(times[k - 1] - old):
             k -= 1
         return min(k, len(recent) - 1)
-
-    def _since_shift(self, recent: list[StepObservation]) -> list[StepObservation]:
-        """The steps of `recent` after the shift (`_shift_index`), at least 3 of them: what the
-        attributions are fitted on."""
-        return recent[min(self._shift_index(recent), max(0, len(recent) - 3)):]
 
     def _attributions(self, recent: list[StepObservation]) -> list[CostParams]:
         """Parameter sets that each reproduce this plan's measured phases on the work of `recent`,
