@@ -38,7 +38,8 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
     Throughput and token counts add up across ranks; phase times take the slowest rank (the
     step waits for it); group counts and weight bytes moved add up; everything else (rewards, losses, device metrics
-    of distinct devices) is the mean over the ranks that report it.
+    of distinct devices) is the mean over the ranks that report it. `sampling/refills_max` is the
+    most refills any rank made (what the cost model reads as the step's generate calls).
     """
     keys: dict[str, list[float]] = defaultdict(list)
     for m in per_rank:
@@ -53,6 +54,9 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
             out[k] = max(vs)
         else:
             out[k] = sum(vs) / len(vs)
+    if "sampling/refills" in keys:
+        # the step waits for the rank that refilled most (each refill is another generate call)
+        out["sampling/refills_max"] = max(keys["sampling/refills"])
     return out
 
 

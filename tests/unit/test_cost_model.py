@@ -186,3 +186,33 @@ def test_fit_reads_the_reference_cost_from_the_rows_the_training_devices_passed(
         obs.append(StepObservation(Layout("disaggregated", 2, rollout_devices=1), 8e7, metrics))
     res = fit(obs)
     assert res.params.ref_token_s == pytest.approx(TRUE.ref_token_s, rel=1e-3)
+
+
+def test_a_refill_is_another_generate_call_and_the_fit_reads_it():
+    # Dynamic sampling refills a step's batch with more generate calls; each pays the fixed cost
+    # and decodes to its own longest response again. A decoder slow per decode step makes a step
+    # with 3 refills take about 4 times one without, for less than twice the tokens.
+    slow = CostParams(gen_fixed_s=0.2, gen_step_s=0.3, gen_token_s=0.0005, train_token_s=0.001)
+    lay = Layout("colocate", 2)
+    rng = random.Random(5)
+    obs = []
+    for _ in range(12):
+        refills = rng.choice([0, 1, 2, 3])
+        samples, mean = 128 * (1 + 0.25 * refills), rng.uniform(8, 12)
+        w = Workload(prompts=round(samples / 8), n=8, response=LengthDist(mean), prompt_tokens=8,
+                     param_bytes=4e6, calls=1 + refills)
+        pt = phase_times(slow, w, lay)
+        obs.append(StepObservation(lay, 4e6, {
+            "tokens/generated": w.gen_tokens, "tokens/trained": w.train_tokens,
+            "response/length_mean": mean, "response/length_max": mean,
+            "sampling/refills": refills / 2, "sampling/refills_max": float(refills),
+            "time/rollout": pt.rollout, "time/train": pt.train, "time/step": pt.step}))
+    one = phase_times(slow, Workload(16, 8, LengthDist(10), 8, 4e6), lay).rollout
+    four = phase_times(slow, Workload(32, 8, LengthDist(10), 8, 4e6, calls=4), lay).rollout
+    assert four > 3.5 * one
+    got = fit(obs).params
+    # the step's calls come from the rank that refilled most, not the ranks' mean
+    assert got.gen_step_s == pytest.approx(slow.gen_step_s, rel=0.02)
+    assert got.gen_fixed_s == pytest.approx(slow.gen_fixed_s, rel=0.05, abs=0.02)
+    for o in obs:
+        assert phase_times(got, o.workload(), lay).rollout == pytest.approx(o.get("time/rollout"), rel=0.02)

@@ -88,6 +88,9 @@ def test_rank_metrics_combine_sums_maxes_and_means():
     assert out == {"throughput/tokens_per_s": 400.0, "time/train": 3.0,
                    "reward/mean": pytest.approx(0.3), "sampling/kept_groups": 6.0,
                    "device/0/util_pct": 50.0, "device/1/util_pct": 70.0}
+    # refills: the ranks' mean, and the most any rank made (the step waits for its extra calls)
+    out = combine_rank_metrics([{"sampling/refills": 0.0}, {"sampling/refills": 3.0}, {"sampling/refills": 0.0}])
+    assert out == {"sampling/refills": 1.0, "sampling/refills_max": 3.0}
 
 
 def test_prompt_stream_shards_reshuffles_and_resumes_from_its_position():

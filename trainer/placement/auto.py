@@ -24,7 +24,8 @@ plan, resume). Phases of a run:
    the other plans' steps from before the shift are stale, and each candidate is predicted under
    every attribution of the change to a phase's terms (`_replan_per_phase`): a plan faster under
    all of them is switched to, one faster under some only is re-profiled (measured for
-   `profile_steps` steps, kept only when faster beyond the noise of the two plans' steps). Then
+   `profile_steps` steps, kept only when faster beyond the noise of the two plans' steps, both
+   scaled to the same work by the model: `at_common_work`). Then
    the candidates are compared again on the current work: a switch, or "kept" when the gain is
    too small. After a switch the measured step time of the new plan is reported and the model
    refitted on the steps both plans ran since the shift; a switch that measured slower than the
@@ -54,6 +55,7 @@ from trainer.placement.cost_model import (
     layout_reference_share,
     measured_phase,
     phase_times,
+    predicted_steps,
 )
 from trainer.placement.link import LinkCalibration, config_link_calibration
 
@@ -229,6 +231,57 @@ def _noise_margin(left: list[float], here: list[float]) -> float:
 
 # What a step's work is made of: the cost model's drivers, as the controllers report them.
 WORK_KEYS = ("tokens/generated", "tokens/trained", "response/length_mean", "response/length_max")
+# ... and what else of it the model reads: the generate calls of dynamic sampling
+MODEL_WORK_KEYS = (*WORK_KEYS, "sampling/refills", "sampling/refills_max")
+
+
+def _step_times(obs: list[StepObservation]) -> list[float]:
+    return [o.get("time/step") for o in obs]
+
+
+def _var_of_mean(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    m = _mean(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)
+
+
+def at_common_work(params: CostParams | None, a: list[StepObservation],
+                   b: list[StepObservation]) -> tuple[list[float], list[float], bool]:
+    """Two plans' step times to compare, each on its own steps (`a`, `b`): as measured, or each
+    step's time scaled to the mean work of all the steps of both, by what the model predicts for
+    its own plan (time × predicted at the mean work / predicted at the step's own work).
+
+    Under dynamic sampling a step's work varies with its refills (each another generate call) and
+    lengths, and raw step times compare whatever work each plan happened to draw: the spread is
+    wide (a noise margin of 35% of the step in the demo's slow-decoder run) and a plan that drew
+    more refills looks slower for it. Scaled to the same work, only the variation the model does
+    not explain is left. The scaled times are used when they spread less than the raw ones (the
+    sum of the two means' variances): a model that explains none of it changes nothing. Returns
+    (a's times, b's times, whether they were scaled)."""
+    raw_a, raw_b = _step_times(a), _step_times(b)
+    if params is None or not a or not b:
+        return raw_a, raw_b, False
+    both = a + b
+    common = {k: _mean([o.get(k) for o in both]) for k in MODEL_WORK_KEYS
+              if any(k in o.metrics for o in both)}
+
+    def scaled(obs: list[StepObservation]) -> list[float] | None:
+        keys = {k for o in obs for k in o.metrics}
+        own = {k: _mean([o.get(k) for o in obs]) for k in keys}
+        ref = StepObservation(obs[0].layout, obs[0].param_bytes, {**own, **common}, grad_bytes=obs[0].grad_bytes)
+        (at_mean,) = predicted_steps(params, [ref])
+        preds = predicted_steps(params, obs)
+        if at_mean <= 0 or any(not math.isfinite(x) or x <= 0 for x in preds):
+            return None
+        return [o.get("time/step") * at_mean / x for o, x in zip(obs, preds, strict=True)]
+
+    adj_a, adj_b = scaled(a), scaled(b)
+    if adj_a is None or adj_b is None:
+        return raw_a, raw_b, False
+    if _var_of_mean(adj_a) + _var_of_mean(adj_b) < _var_of_mean(raw_a) + _var_of_mean(raw_b):
+        return adj_a, adj_b, True
+    return raw_a, raw_b, False
 
 
 def _work(obs: list[StepObservation]) -> dict[str, float]:
@@ -367,13 +420,13 @@ class AutoPlanner:
         self.switch_cost_s = DEFAULT_SWITCH_COST_S
         self._stopped_at: float | None = None  # when the last gang's final step was reported
         self._followup: Decision | None = None  # the switch whose measured step time is due
-        # the plan a switch left and its step times measured since the last shift
-        self._left: tuple[Layout, list[float]] | None = None
+        # the plan a switch left and its steps measured since the last shift
+        self._left: tuple[Layout, list[StepObservation]] | None = None
         self.fresh_since = 0  # steps before this one were measured before the last shift: stale
         self._reprofiling = False  # the pending switch measures a plan the model could not decide on
-        # after a revert: the plan it reverted from, its step times and first step, and the step
-        # time of the plan it went back to that the revert went by (`_check_revert`)
-        self._reverted: tuple[Layout, list[float], int, float] | None = None
+        # after a revert: the plan it reverted from, its steps, and the step time of the plan it
+        # went back to that the revert went by (`_check_revert`)
+        self._reverted: tuple[Layout, list[StepObservation], float] | None = None
 
     # ------------------------------------------------------------------ the driver's calls
     def observe(self, step: int, metrics: dict[str, float], *, now: float | None = None) -> list[Decision]:
@@ -575,7 +628,7 @@ class AutoPlanner:
             return []
         self._followup = None
         here = here[-self.profile_steps:]
-        times = [o.get("time/step") for o in here]
+        times = _step_times(here)
         measured = _mean(times)
         left = self._left
         self._left = None
@@ -583,13 +636,13 @@ class AutoPlanner:
         reverted, self._reverted = self._reverted, None
         stale = None
         if reverted is not None:
-            judged = reverted[3]
+            judged = reverted[2]
             stale_drift = abs(measured - judged) / judged if judged > 0 else 0.0
             if self.phase == "steady" and stale_drift > self.drift_threshold:
                 # the revert went by this plan's steps from before a shift: both plans' steps since
                 # the plan it reverted from began measuring are what compare now
                 stale = (stale_drift, reverted)
-                self.fresh_since = max(self.fresh_since, reverted[2])
+                self.fresh_since = max(self.fresh_since, self._step_of(reverted[1][0]))
         # both plans now have steps measured since the last shift: refit on those alone
         preds: list[dict[str, Any]] = []
         fresh = [o for o in self.obs if self._step_of(o) >= self.fresh_since]
@@ -597,19 +650,29 @@ class AutoPlanner:
             self.params = self._fit(fresh, prior=self.params)
             preds = self._predictions(self.params, here)
         reason = f"after the {d.kind} at step {d.step}"
-        left_s = _mean(left[1]) if left is not None else 0.0
+        left_s = _mean(_step_times(left[1])) if left is not None else 0.0
         noise: dict[str, Any] = {}
-        if reprofile and left is not None:
-            # a re-profile keeps the plan it measured only when it measured faster than the plan
-            # the run was on by more than the noise of the two means (_noise_margin)
-            margin = _noise_margin(left[1], times)
-            keep = left_s - measured > margin
-            noise = {"left_step_s": left_s, "left_steps": len(left[1]), "noise_margin_s": margin,
-                     "reprofile_kept": keep}
-            reason += (f" (a re-profile: {'faster' if measured < left_s else 'slower'} than the "
-                       f"{left_s:.3f} s/step {layout_label(left[0])} measured before it; noise "
-                       f"margin {margin:.3f} s ({REPROFILE_SE:g} standard errors of the "
-                       f"difference): {'kept' if keep else 'not faster beyond it'})")
+        # the two plans compared at the same work (`at_common_work`): the new plan's mean and the
+        # left plan's, as measured when the model explains none of their spread
+        here_c, left_c = measured, left_s
+        if left is not None and self.phase == "steady" and d.kind != "profile":
+            left_t, here_t, scaled = at_common_work(self.params if preds else None, left[1], here)
+            here_c, left_c = _mean(here_t), _mean(left_t)
+            noise = {"left_step_s": left_s, "left_steps": len(left[1])}
+            if scaled:
+                noise.update(work_adjusted=True, step_at_common_work_s=here_c,
+                             left_step_at_common_work_s=left_c)
+            if reprofile:
+                # a re-profile keeps the plan it measured only when it measured faster than the
+                # plan the run was on by more than the noise of the two means (_noise_margin)
+                margin = _noise_margin(left_t, here_t)
+                keep = left_c - here_c > margin
+                noise.update(noise_margin_s=margin, reprofile_kept=keep)
+                at = (f"; at the same work: {here_c:.3f} against {left_c:.3f}" if scaled else "")
+                reason += (f" (a re-profile: {'faster' if here_c < left_c else 'slower'} than the "
+                           f"{left_s:.3f} s/step {layout_label(left[0])} measured before it{at}; "
+                           f"noise margin {margin:.3f} s ({REPROFILE_SE:g} standard errors of the "
+                           f"difference): {'kept' if keep else 'not faster beyond it'})")
         out = [Decision("measured", step, d.chosen, d.chosen, reason,
                         predictions=[_prediction_event(p) for p in preds],
                         predicted_step_s=d.predicted_step_s, measured_step_s=measured,
@@ -620,18 +683,23 @@ class AutoPlanner:
             self.anchor = next(p["phases"] for p in preds if p["layout"] == self.layout)
             self.anchor_work, self.anchor_step = self._pred_work, step
         if stale is not None:
-            return out + self._check_revert(step, here, times, preds, *stale)
+            return out + self._check_revert(step, here, preds, *stale)
         # a re-profile goes back unless the plan it measured was faster beyond the noise; a switch
         # the model was sure of is reverted only when it measured slower by the gain threshold (no
         # ping-pong on noisy steps)
-        back_now = (not noise["reprofile_kept"]) if noise else measured > left_s * (1 + self.min_gain)
+        if "reprofile_kept" in noise:
+            back_now = not noise["reprofile_kept"]
+        else:
+            back_now = here_c > left_c * (1 + self.min_gain)
         if left is not None and self.phase == "steady" and d.kind != "profile" and back_now:
             # the measurement does not back this switch: go back to the plan the run was on
             back = left[0]
+            at = (f" ({here_c:.3f} against {left_c:.3f} s/step at the same work)"
+                  if noise.get("work_adjusted") else "")
             why = (f"not faster than {left_s:.3f} s/step of {layout_label(back)} by more than the "
-                   f"noise margin ({noise['noise_margin_s']:.3f} s): switching back to the plan the "
-                   "run was on" if noise else
-                   f"slower than {left_s:.3f} s/step of {layout_label(back)} before the switch: "
+                   f"noise margin ({noise['noise_margin_s']:.3f} s){at}: switching back to the plan the "
+                   "run was on" if reprofile else
+                   f"slower than {left_s:.3f} s/step of {layout_label(back)} before the switch{at}: "
                    "switching back")
             out.append(self._decide("replan", step, back, preds,
                                     f"{layout_label(self.layout)} measured {measured:.3f} s/step, " + why,
@@ -640,32 +708,37 @@ class AutoPlanner:
             self._left = None  # a revert is not itself reverted: no ping-pong on noisy steps
             # ... but it is checked: back on the plan it left, its steps must still measure what
             # the revert went by (a shift during the measurement makes them stale)
-            self._reverted = (self.layout, times, self._step_of(here[0]), left_s)
+            self._reverted = (self.layout, here, left_s)
             # the model was wrong here: later checks compare against what the plan measured
             back_obs = self._recent(back, self.profile_steps)
             if back_obs:
                 self.anchor, self.anchor_work = _measured_times(back_obs), _work(back_obs)
         return out
 
-    def _check_revert(self, step: int, here: list[StepObservation], times: list[float],
-                      preds: list[dict[str, Any]], drift: float,
-                      reverted: tuple[Layout, list[float], int, float]) -> list[Decision]:
+    def _check_revert(self, step: int, here: list[StepObservation], preds: list[dict[str, Any]],
+                      drift: float, reverted: tuple[Layout, list[StepObservation], float]) -> list[Decision]:
         """Back on the plan a revert returned to, its steps measured `drift` off the step time the
         revert went by: the workload shifted while the other plan was measured (a re-profile decided
         before a shift and measured after it compares the new workload on one plan with the old on
-        the other). Both plans' steps since then are what compare: switch to the one reverted from
-        when it measured faster beyond the noise of the two means, else keep this plan; either way
-        later checks compare with what this plan measures now."""
-        other, other_times, other_from, judged = reverted
-        measured, other_s = _mean(times), _mean(other_times)
-        margin = _noise_margin(times, other_times)
+        the other). Both plans' steps since then are what compare, at the same work: switch to the
+        one reverted from when it measured faster beyond the noise of the two means, else keep this
+        plan; either way later checks compare with what this plan measures now."""
+        other, other_obs, judged = reverted
+        measured, other_s = _mean(_step_times(here)), _mean(_step_times(other_obs))
+        here_t, other_t, scaled = at_common_work(self.params if preds else None, here, other_obs)
+        here_c, other_c = _mean(here_t), _mean(other_t)
+        margin = _noise_margin(here_t, other_t)
+        other_from = self._step_of(other_obs[0])
+        at = f" ({here_c:.3f} against {other_c:.3f} s/step at the same work)" if scaled else ""
         why = (f"{layout_label(self.layout)} measured {measured:.3f} s/step back on it, drifted "
                f"{drift:.0%} from the {judged:.3f} s/step the revert went by: the workload shifted "
                f"while {layout_label(other)} was measured, so its {other_s:.3f} s/step from step "
-               f"{other_from} on is what compares")
+               f"{other_from} on is what compares{at}")
         extra = {"left_step_s": measured, "noise_margin_s": margin, "stale_before_step": other_from,
-                 "stale_revert": True}
-        if measured - other_s > margin:
+                 "stale_revert": True,
+                 **({"work_adjusted": True, "step_at_common_work_s": other_c,
+                     "left_step_at_common_work_s": here_c} if scaled else {})}
+        if here_c - other_c > margin:
             d = self._decide("replan", step, other, preds,
                              why + f": faster by more than the noise margin ({margin:.3f} s), switching to it",
                              predicted=other_s, measured=measured, drift=drift, switch_cost=extra)
@@ -727,7 +800,7 @@ class AutoPlanner:
             self.anchor_work = self._pred_work
         self.anchor_step = step
         if d.switch:
-            here = [o.get("time/step") for o in self._recent(self.layout, self.profile_steps)
+            here = [o for o in self._recent(self.layout, self.profile_steps)
                     if self._step_of(o) >= self.fresh_since]
             self._left = (self.layout, here) if here else None
             self.pending = chosen

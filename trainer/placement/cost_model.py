@@ -3,11 +3,13 @@ time each placement mode makes of them, and a fit of its parameters to measured 
 
 Phases of a step and what drives their time on one device:
 
-- generation: ``gen_fixed_s + gen_step_s × decode steps + gen_token_s × tokens``. A decode step
-  costs a latency floor (the weights are read once per step) plus a per-token share; the
-  longest response of a device (the long tail) sets how many decode steps it runs, and with at
-  most ``gen_concurrency`` sequences decoding at once (KV cache, continuous batching) it runs at
-  least tokens / concurrency of them.
+- generation: ``gen_fixed_s + gen_step_s × decode steps + gen_token_s × tokens`` per generate
+  call. A decode step costs a latency floor (the weights are read once per step) plus a
+  per-token share; the longest response of a device (the long tail) sets how many decode steps
+  it runs, and with at most ``gen_concurrency`` sequences decoding at once (KV cache, continuous
+  batching) it runs at least tokens / concurrency of them. Dynamic sampling's refills are more
+  calls in the same step (``Workload.calls``): each pays the fixed cost and decodes to its own
+  longest response again.
 - scoring: ``reward_sample_s`` per sample on a scoring device.
 - reference and training: per trained token (FLOP-bound), plus ``train_fixed_s`` (optimizer
   step) and the gradient all-reduce (``2 (T-1)/T × grad bytes / allreduce_Bps``).
@@ -114,6 +116,9 @@ class Workload:
     param_bytes: float  # weights as the sampler holds them: what weight movement moves
     grad_bytes: float | None = None  # gradient bytes all-reduced per step (default param_bytes)
     reference: bool = True
+    # generate calls per step on the slowest rollout device: 1, plus dynamic sampling's refills
+    # (each decodes to its own longest response again); `samples` counts all of them
+    calls: float = 1.0
 
     @property
     def samples(self) -> int:
@@ -213,13 +218,17 @@ class PhaseTimes:
         return asdict(self)
 
 
-def _gen_time(p: CostParams, seqs: float, longest: float, tokens: float) -> float:
+def _gen_time(p: CostParams, seqs: float, longest: float, tokens: float, calls: float = 1.0) -> float:
+    """A device's generation of `seqs` sequences, `tokens` in all, in `calls` generate calls whose
+    longest response is `longest` each."""
     if seqs <= 0:
         return 0.0
-    # continuous batching: at most `gen_concurrency` sequences decode at once, so a device runs
-    # at least tokens / concurrency decode steps, and never fewer than its longest response
-    steps = max(longest, tokens / p.gen_concurrency) if math.isfinite(p.gen_concurrency) else longest
-    return p.gen_fixed_s + p.gen_step_s * steps + p.gen_token_s * tokens
+    calls = max(1.0, calls)
+    # continuous batching: at most `gen_concurrency` sequences decode at once, so a call runs at
+    # least its tokens / concurrency decode steps, and never fewer than its longest response
+    per_call = tokens / calls
+    steps = max(longest, per_call / p.gen_concurrency) if math.isfinite(p.gen_concurrency) else longest
+    return calls * (p.gen_fixed_s + p.gen_step_s * steps) + p.gen_token_s * tokens
 
 
 def _sync(p: CostParams, nbytes: float, *, local: bool) -> float:
@@ -246,8 +255,9 @@ def phase_times(p: CostParams, w: Workload, layout: Layout) -> PhaseTimes:
     R, T, K = layout.rollout_pool, layout.train_pool, layout.scoring_pool
     grad_bytes = w.param_bytes if w.grad_bytes is None else w.grad_bytes
     seqs_r = w.samples / R
-    # The step waits for the slowest rollout device: the longest of all responses sets it.
-    gen = _gen_time(p, seqs_r, w.response.expected_max(w.samples), seqs_r * w.response.mean)
+    # The step waits for the slowest rollout device: the longest of all responses sets it (and,
+    # as the fit reads a step's refills, each of its calls' decode steps).
+    gen = _gen_time(p, seqs_r, w.response.expected_max(w.samples), seqs_r * w.response.mean, w.calls)
     tokens_t = w.train_tokens / T
     ref = p.ref_token_s * tokens_t if w.reference else 0.0
     train = p.train_fixed_s + p.train_token_s * tokens_t + _allreduce(p, grad_bytes, T)
@@ -258,7 +268,7 @@ def phase_times(p: CostParams, w: Workload, layout: Layout) -> PhaseTimes:
         step = gen + reward + ref + train + sync + p.offload_s + p.overhead_s
         return PhaseTimes(gen, reward, ref, train, sync, p.offload_s, p.overhead_s, step)
     if layout.mode == "partial_colocate":
-        own = _gen_time(p, seqs_r, w.response.expected_max(seqs_r), seqs_r * w.response.mean)
+        own = _gen_time(p, seqs_r, w.response.expected_max(seqs_r), seqs_r * w.response.mean, w.calls)
         reward = _streamed_scoring(p, gen, own, score_all, K)
         rollout_scored = gen + reward
         sync = _sync(p, w.param_bytes, local=True)
@@ -342,6 +352,12 @@ class StepObservation:
         mean = self.get("response/length_mean")
         return self.get("tokens/generated") / mean if mean else 0.0
 
+    @property
+    def calls(self) -> float:
+        """Generate calls the step's slowest rank made: 1, plus its dynamic-sampling refills."""
+        refills = self.metrics.get("sampling/refills_max", self.metrics.get("sampling/refills", 0.0))
+        return 1.0 + float(refills)
+
     def workload(self, prompts_n: tuple[int, int] | None = None) -> Workload:
         """The step's work as a Workload (lengths from its mean and longest response)."""
         samples = self.samples
@@ -352,7 +368,7 @@ class StepObservation:
         return Workload(prompts=prompts, n=n,
                         response=LengthDist.from_mean_max(mean, self.get("response/length_max"), samples),
                         prompt_tokens=prompt_tokens, param_bytes=self.param_bytes,
-                        grad_bytes=self.grad_bytes)
+                        grad_bytes=self.grad_bytes, calls=self.calls)
 
 
 @dataclass
@@ -424,7 +440,9 @@ def fit(obs: list[StepObservation], *, prior: CostParams | None = None,
     rows, ys = [], []
     for o in obs:
         _seqs, toks = per_rollout_device(o)
-        rows.append([1.0, o.get("response/length_max"), toks])
+        # a refill is another call: its fixed cost, and decode steps to its longest response (the
+        # step's longest stands for each call's)
+        rows.append([o.calls, o.calls * o.get("response/length_max"), toks])
         ys.append(o.get("time/rollout"))
     p.gen_fixed_s, p.gen_step_s, p.gen_token_s = _nnls(rows, ys)
     p.gen_concurrency = math.inf
@@ -549,7 +567,7 @@ def _phases_of(p: CostParams, o: StepObservation) -> PhaseTimes:
     L = o.layout
     R, T = L.rollout_pool, L.train_pool
     seqs_r, toks_r = o.samples / R, o.get("tokens/generated") / R
-    gen = _gen_time(p, seqs_r, o.get("response/length_max"), toks_r)
+    gen = _gen_time(p, seqs_r, o.get("response/length_max"), toks_r, o.calls)
     tokens_t = o.get("tokens/trained") / T
     gb = o.param_bytes if o.grad_bytes is None else o.grad_bytes
     ref = p.ref_token_s * tokens_t if o.get("time/reference") > 0 else 0.0
@@ -568,7 +586,7 @@ def _phases_of(p: CostParams, o: StepObservation) -> PhaseTimes:
     if L.mode == "partial_colocate":
         longest = o.get("response/length_max")
         dist = LengthDist.from_mean_max(o.get("response/length_mean"), longest, o.samples)
-        own = _gen_time(p, seqs_r, min(dist.expected_max(seqs_r), longest), toks_r)
+        own = _gen_time(p, seqs_r, min(dist.expected_max(seqs_r), longest), toks_r, o.calls)
         reward = _streamed_scoring(p, gen, own, p.reward_sample_s * o.samples, L.scoring_pool)
     step = gen + reward + ref + train + sync + p.offload_s + p.overhead_s
     return PhaseTimes(gen, reward, ref, train, sync, p.offload_s, p.overhead_s, step)
