@@ -74,7 +74,7 @@ def up(
     dashboard: bool = typer.Option(True, help="Start the dashboard when Streamlit is installed."),
 ) -> None:
     """Start the API, the worker and its reconciler, a local Ray head and the dashboard."""
-    from backend.dispatch.local_ray import start_head, stop_head
+    from backend.dispatch.local_ray import PortInUse, start_head, stop_head
     from backend.migrate import upgrade
     from backend.settings import get_settings
 
@@ -121,10 +121,14 @@ def up(
             ray_url = settings.ray_address
         else:
             typer.echo("starting a local Ray head…")
-            head = start_head(
-                settings, port=ray_port, dashboard_port=ray_dashboard_port,
-                log_path=logs / "ray-head.log",
-            )
+            try:
+                head = start_head(
+                    settings, port=ray_port, dashboard_port=ray_dashboard_port,
+                    log_path=logs / "ray-head.log",
+                )
+            except PortInUse as exc:  # say which option chooses it
+                flag = "--ray-port" if exc.port == ray_port else "--ray-dashboard-port"
+                raise RuntimeError(f"{exc} ({flag})") from exc
             ray_url = head.dashboard_url
         api = spawn("api", ["api", "--host", host, "--port", str(api_port)])
         spawn("worker", ["worker"])

@@ -90,6 +90,40 @@ def read_head(settings: Settings) -> LocalHead | None:
     return head if head.alive() else None
 
 
+class HeadExited(RuntimeError):
+    """`ray start` exited before its head answered."""
+
+
+class PortInUse(RuntimeError):
+    """A port the head was asked to listen on is taken."""
+
+    def __init__(self, port: int, role: str):
+        super().__init__(f"port {port} ({role}) is in use on 127.0.0.1: choose another one, or stop "
+                         "what listens there")
+        self.port, self.role = port, role
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a socket listens on (or holds) ``port`` on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed one's TIME_WAIT is no owner
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _log_tail(log_path: Path | None, lines: int = 5) -> str:
+    if log_path is None:
+        return ""
+    try:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return ("; its log ends: " + " | ".join(x.strip() for x in tail)) if tail else ""
+
+
 def start_head(
     settings: Settings,
     *,
@@ -98,8 +132,40 @@ def start_head(
     devices: int | None = None,
     timeout_s: float = 120.0,
     log_path: Path | None = None,
+    attempts: int = 3,
 ) -> LocalHead:
-    """Start `ray start --head --block` and wait until its Jobs API answers."""
+    """Start `ray start --head --block` and wait until its Jobs API answers.
+
+    Ray's agents get ports found free here (`free_ports`), and a port found free can be taken by
+    another process before Ray binds it; when `ray start` exits before its head answers, it is
+    started again with fresh agent ports, up to `attempts` times. The head's own ports (`port`,
+    `dashboard_port`) are the caller's and are kept: one that is taken before the start is
+    `PortInUse` at once (`ray start` would retry its GCS for about 40 s and exit); one taken during
+    it fails every attempt, and the error names both and ends with the head's log."""
+    for p, role in ((port, "the Ray head's GCS"), (dashboard_port, "the Ray dashboard")):
+        if port_in_use(p):
+            raise PortInUse(p, role)
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_head_once(settings, port=port, dashboard_port=dashboard_port,
+                                    devices=devices, timeout_s=timeout_s, log_path=log_path)
+        except HeadExited as e:
+            if attempt == attempts:
+                raise HeadExited(f"the local Ray head did not start in {attempts} attempts (its ports: "
+                                 f"{port} for the GCS, {dashboard_port} for the dashboard; are they "
+                                 f"free?): {e}") from e
+    raise AssertionError("unreachable")
+
+
+def _start_head_once(
+    settings: Settings,
+    *,
+    port: int,
+    dashboard_port: int,
+    devices: int | None,
+    timeout_s: float,
+    log_path: Path | None,
+) -> LocalHead:
     devices = count_devices() if devices is None else devices  # 0: a head that holds no run
     temp_dir = f"/tmp/yatt-ray-{dashboard_port}"  # short: Ray's unix socket paths are limited
     shutil.rmtree(temp_dir, ignore_errors=True)
@@ -143,7 +209,8 @@ def start_head(
     cluster = RayCluster(head.dashboard_url, timeout_s=2.0)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}; see {log_path}")
+            stop_head(head)  # whatever it started before it exited
+            raise HeadExited(f"ray start exited with {proc.returncode}{_log_tail(log_path)}")
         if cluster.ping():
             try:
                 if cluster.nodes():

@@ -73,3 +73,24 @@ def test_up_trains_a_run_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
              and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], [psutil.Process(p).cmdline() for p in alive]
     assert "stopped" in out_path.read_text()
+
+
+def test_up_on_a_taken_ray_port_says_which_option_and_starts_nothing(tmp_path: Path) -> None:
+    import socket
+
+    api_port, ray_dashboard_port = free_ports(2)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = int(held.getsockname()[1])
+        env = {k: v for k, v in os.environ.items() if not k.startswith("YATT_")}
+        env.update({"YATT_DATA_DIR": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1"})
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "backend.cli", "up", "--no-dashboard",
+                               "--api-port", str(api_port), "--ray-dashboard-port", str(ray_dashboard_port),
+                               "--ray-port", str(taken)],
+                              env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"port {taken}" in done.stderr and "--ray-port" in done.stderr, done.stderr
+    assert "ray start exited" not in done.stderr  # refused before `ray start` ran
+    assert time.monotonic() - started < 60  # not the ~40 s per attempt `ray start` takes to give up

@@ -1,0 +1,84 @@
+"""The embedded stack's Ray head (`backend.dispatch.local_ray.start_head`) against real `ray start`:
+Ray's agents get ports found free a moment before Ray binds them, and another process can take
+one in between. A taken agent gRPC port makes `ray start` exit (seen: after about 35 s); the head
+is then started again on fresh agent ports and runs jobs. A taken head port is the caller's to
+fix: the error names it before anything starts."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import backend.dispatch.local_ray as local_ray
+from backend.dispatch.ray_cluster import RayCluster
+from backend.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def listener() -> Iterator[int]:
+    """A port some other process holds (a listening socket of this one)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    try:
+        yield int(sock.getsockname()[1])
+    finally:
+        sock.close()
+
+
+def test_a_head_whose_agent_port_is_taken_starts_again_on_fresh_ports_and_runs_jobs(
+        tmp_path: Path, listener: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[list[int]] = []
+    real = local_ray.free_ports
+
+    def first_one_taken(count: int, exclude: object = ()) -> list[int]:
+        ports = real(count, exclude)  # type: ignore[arg-type]
+        if not asked and count == 5:
+            ports[1] = listener  # the dashboard agent's gRPC port: taken before Ray binds it
+        asked.append(ports)
+        return ports
+
+    monkeypatch.setattr(local_ray, "free_ports", first_one_taken)
+    settings = Settings(data_dir=tmp_path, database_url="sqlite://")
+    port, dashboard_port = real(2)
+    head = local_ray.start_head(settings, port=port, dashboard_port=dashboard_port, devices=1,
+                                log_path=tmp_path / "ray-head.log", timeout_s=300)
+    try:
+        assert len(asked) == 2 and asked[0][1] == listener and listener not in asked[1]
+        assert head.gcs_address == f"127.0.0.1:{port}"  # the caller's ports are kept
+        with RayCluster(head.dashboard_url, timeout_s=30) as cluster:
+            job = cluster.submit(submission_id=f"probe-{uuid.uuid4().hex[:8]}", entrypoint="echo started",
+                                 env_vars={})
+            deadline = time.monotonic() + 120
+            info = cluster.job(job)
+            while (info is None or not info.terminal) and time.monotonic() < deadline:
+                time.sleep(0.5)
+                info = cluster.job(job)
+            assert info is not None and info.status == "SUCCEEDED", info
+            assert "started" in cluster.logs(job)
+    finally:
+        local_ray.stop_head(head, settings)
+
+
+def test_a_taken_head_port_fails_at_once_with_an_error_naming_it(tmp_path: Path, listener: int) -> None:
+    # `ray start` on a taken GCS port retries for about 40 s before it exits; the head's ports are
+    # the caller's (`yatt up --ray-port`), so a taken one is an error before anything starts
+    settings = Settings(data_dir=tmp_path, database_url="sqlite://")
+    (free,) = local_ray.free_ports(1, exclude={listener})
+    for port, dashboard_port, role in ((listener, free, "GCS"), (free, listener, "dashboard")):
+        started = time.monotonic()
+        with pytest.raises(local_ray.PortInUse) as err:
+            local_ray.start_head(settings, port=port, dashboard_port=dashboard_port, devices=1,
+                                 log_path=tmp_path / "ray-head.log", timeout_s=120)
+        assert time.monotonic() - started < 5
+        assert err.value.port == listener and f"port {listener}" in str(err.value) and role in str(err.value)
+        assert not (tmp_path / "ray-head.log").exists()  # no `ray start` ran
+    assert not local_ray.port_in_use(free)
