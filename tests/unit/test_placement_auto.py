@@ -389,21 +389,16 @@ def test_a_rule_reward_never_plans_partial_colocate_on_the_same_phase_times():
     assert all(p["mode"] != "partial_colocate" for d in decisions for p in d.predictions)
 
 
-def _reprofile(seed: int, factor: float, noise: float = 0.15):
-    """A re-profile from colocate to disaggregated after step 44 whose steps are noisy (±`noise`)
-    around colocate's true step time (disaggregated's × `factor`): the planner's follow-up."""
+def _run_reprofile(step_metrics, factor: float, *, stop_on_pending: bool = True):
+    """A re-profile from colocate to disaggregated after step 44, the planner steady on colocate
+    before it: `step_metrics(layout, f)` makes one step's metrics (`f`: the plan's speed against
+    colocate's). Returns the planner and the decisions up to the follow-up."""
     planner = AutoPlanner(cfg(), param_bytes=4e6)
     drive(planner, 40)
     assert planner.layout == COLOCATE and planner.phase == "steady"
-    rng = random.Random(seed)
-    base = phase_times(TRUE, Workload(16, 8, LengthDist(5), 8, 4e6), COLOCATE).step
-
-    def noisy(layout: Layout, f: float) -> dict[str, float]:
-        return {**measured(TRUE, layout, rng), "time/step": base * f * rng.uniform(1 - noise, 1 + noise)}
-
     planner.anchor_step = 44  # no drift check in between: the re-profile is what is tested
     for step in range(41, 45):
-        planner.observe(step, noisy(COLOCATE, 1.0), now=0.0)
+        planner.observe(step, step_metrics(COLOCATE, 1.0), now=0.0)
     planner.fresh_since = 41  # the shift the re-profile follows
     preds = planner._predictions(planner.params, planner._recent(COLOCATE, 4))
     planner._decide("replan", 44, DISAGG, preds, "test: re-profile", switch_cost={"reprofile": True})
@@ -411,10 +406,22 @@ def _reprofile(seed: int, factor: float, noise: float = 0.15):
     planner.switched(DISAGG, 44)
     out = []
     for step in range(45, 60):
-        out += planner.observe(step, noisy(DISAGG, factor), now=0.0)
-        if planner.pending is not None or any(d.kind == "measured" for d in out):
+        out += planner.observe(step, step_metrics(DISAGG, factor), now=0.0)
+        if (stop_on_pending and planner.pending is not None) or any(d.kind == "measured" for d in out):
             break
     return planner, out
+
+
+def _reprofile(seed: int, factor: float, noise: float = 0.15):
+    """A re-profile whose steps are noisy (±`noise`) around colocate's true step time
+    (disaggregated's × `factor`): the planner's follow-up."""
+    rng = random.Random(seed)
+    base = phase_times(TRUE, Workload(16, 8, LengthDist(5), 8, 4e6), COLOCATE).step
+
+    def noisy(layout: Layout, f: float) -> dict[str, float]:
+        return {**measured(TRUE, layout, rng), "time/step": base * f * rng.uniform(1 - noise, 1 + noise)}
+
+    return _run_reprofile(noisy, factor)
 
 
 def test_a_re_profile_of_an_equally_fast_plan_goes_back_whatever_the_noise():
@@ -544,10 +551,7 @@ def _reprofile_under_refills(seed: int, factor: float):
     """A re-profile from colocate to disaggregated under a slow decoder and dynamic sampling: each
     step draws 0–3 refills (another generate call each, and a quarter more samples), so a step's
     time varies 3-fold with its luck. At the same work disaggregated takes `factor` × colocate's
-    time (±3%). Returns the `measured` follow-up and the raw step times of both plans."""
-    planner = AutoPlanner(cfg(), param_bytes=4e6)
-    drive(planner, 40)
-    assert planner.layout == COLOCATE and planner.phase == "steady"
+    time (±3%). Returns the `measured` follow-up, the decisions and the raw step times of both plans."""
     rng = random.Random(seed)
     ref = Workload(24, 8, LengthDist(5), 8, 4e6, calls=2.5)
     at_ref = {lay: phase_times(PER_DECODE_STEP, ref, lay).step for lay in (COLOCATE, DISAGG)}
@@ -559,19 +563,7 @@ def _reprofile_under_refills(seed: int, factor: float):
         m["time/step"] *= at_ref[COLOCATE] * f / at_ref[layout]
         return m
 
-    planner.anchor_step = 44  # no drift check in between: the re-profile is what is tested
-    for step in range(41, 45):
-        planner.observe(step, step_of(COLOCATE, 1.0), now=0.0)
-    planner.fresh_since = 41
-    preds = planner._predictions(planner.params, planner._recent(COLOCATE, 4))
-    planner._decide("replan", 44, DISAGG, preds, "test: re-profile", switch_cost={"reprofile": True})
-    planner._reprofiling = True
-    planner.switched(DISAGG, 44)
-    out = []
-    for step in range(45, 60):
-        out += planner.observe(step, step_of(DISAGG, factor), now=0.0)
-        if any(d.kind == "measured" for d in out):
-            break
+    planner, out = _run_reprofile(step_of, factor, stop_on_pending=False)
     m = next(d for d in out if d.kind == "measured")
     raw = {lay: [o.get("time/step") for o in planner.obs if o.layout == lay and 41 <= planner._step_of(o)]
            for lay in (COLOCATE, DISAGG)}
