@@ -12,13 +12,13 @@ from __future__ import annotations
 import copy
 import json
 import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from backend.dispatch.local_ray import free_ports
 from trainer.config import parse_config
 from trainer.models import ensure_model
 
@@ -96,10 +96,10 @@ def _train(rank: int, world: int, port: int, cfg_data: dict, model_dir: str) -> 
     return out
 
 
-def _rank_main(rank: int, world: int, ports: list[int], runs: dict, model_dir: str, out: str) -> None:
+def _rank_main(rank: int, world: int, rendezvous: str, runs: dict, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(rank)
-    results = {name: _train(rank, world, ports[k], cfg, model_dir)
+    results = {name: _train(rank, world, _run_port(rank, Path(rendezvous) / f"port{k}"), cfg, model_dir)
                for k, (name, cfg) in enumerate(runs.items())}
     torch.save(results, out)
 
@@ -110,13 +110,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(target, args_for_rank) -> None:
+def _run_port(rank: int, path: Path, timeout_s: float = 600.0) -> int:
+    """One run's rendezvous port: rank 0 finds it free just before its TCPStore binds it and
+    writes it to `path`, the other ranks read it there. Ports chosen up front for five runs in a
+    row left minutes for another process to take one (in CI, 2026-12-06: rank 0 died at the bind
+    and rank 1 waited in the rendezvous)."""
+    if rank == 0:
+        port = _free_port()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.rename(path)  # whole or absent for the reader
+        return port
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no port in {path} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def _spawn(target, args_for_rank, timeout_s: float = 900.0) -> None:
+    """Run `target` on 2 ranks; a rank that fails stops the other at once (it would otherwise
+    wait for the failed one in a collective until its timeout)."""
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=args_for_rank(r)) for r in range(2)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(p.exitcode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
     for p in procs:
-        p.join(timeout=900)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=30)
     assert [p.exitcode for p in procs] == [0, 0]
 
 
@@ -132,8 +160,9 @@ def trained(nano, tmp_path_factory) -> dict:
     }
     tmp = tmp_path_factory.mktemp("fsdp")
     outs = [str(tmp / f"rank{r}.pt") for r in range(2)]
-    ports = free_ports(len(runs))  # each its own: port + k may be taken (Ray's, say)
-    _spawn(_rank_main, lambda r: (r, 2, ports, runs, str(nano), outs[r]))
+    rendezvous = tmp / "ports"
+    rendezvous.mkdir()
+    _spawn(_rank_main, lambda r: (r, 2, str(rendezvous), runs, str(nano), outs[r]))
     return {"rank0": torch.load(outs[0], weights_only=False),
             "rank1": torch.load(outs[1], weights_only=False)}
 
