@@ -207,6 +207,13 @@ def _mean(xs: list[float]) -> float:
 REPROFILE_SE = 2.0
 
 
+def _sample_var(xs: list[float]) -> float | None:
+    if len(xs) < 2:
+        return None
+    m = _mean(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
 def _noise_margin(left: list[float], here: list[float]) -> float:
     """`REPROFILE_SE` standard errors of the difference of two plans' mean step times (Welch:
     each plan's own spread over its own steps). A re-profile compares `profile_steps` (4) steps of
@@ -214,13 +221,7 @@ def _noise_margin(left: list[float], here: list[float]) -> float:
     the re-profile used to keep it then (no margin), a gang restart on a coin flip; beyond 2
     standard errors, about 5% of the time (one-sided, t with ~6 degrees of freedom). A plan with
     one step borrows the other's spread; with one step each there is none to go by (margin 0)."""
-    def var(xs: list[float]) -> float | None:
-        if len(xs) < 2:
-            return None
-        m = _mean(xs)
-        return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-
-    v_left, v_here = var(left), var(here)
+    v_left, v_here = _sample_var(left), _sample_var(here)
     if v_left is None and v_here is None:
         return 0.0
     v_left = v_here if v_left is None else v_left
@@ -240,10 +241,8 @@ def _step_times(obs: list[StepObservation]) -> list[float]:
 
 
 def _var_of_mean(xs: list[float]) -> float:
-    if len(xs) < 2:
-        return 0.0
-    m = _mean(xs)
-    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)
+    v = _sample_var(xs)
+    return 0.0 if v is None else v / len(xs)
 
 
 def at_common_work(params: CostParams | None, a: list[StepObservation],
@@ -270,8 +269,7 @@ def at_common_work(params: CostParams | None, a: list[StepObservation],
         keys = {k for o in obs for k in o.metrics}
         own = {k: _mean([o.get(k) for o in obs]) for k in keys}
         ref = StepObservation(obs[0].layout, obs[0].param_bytes, {**own, **common}, grad_bytes=obs[0].grad_bytes)
-        (at_mean,) = predicted_steps(params, [ref])
-        preds = predicted_steps(params, obs)
+        at_mean, *preds = predicted_steps(params, [ref, *obs])
         if at_mean <= 0 or any(not math.isfinite(x) or x <= 0 for x in preds):
             return None
         return [o.get("time/step") * at_mean / x for o, x in zip(obs, preds, strict=True)]
