@@ -53,7 +53,8 @@ SCORED_SAMPLES_KEPT = 8
 
 
 def free_address() -> tuple[str, int]:
-    """This node's IP and a free TCP port (the rendezvous of the gradient all-reduce)."""
+    """This node's IP and a TCP port free now, for a library that binds it itself later (a
+    tensor-parallel vLLM engine's group). A store of our own binds first (`trainer.rendezvous`)."""
     import ray
 
     ip = ray.util.get_node_ip_address()

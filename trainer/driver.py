@@ -63,7 +63,8 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 def _remote_classes() -> tuple[Any, Any]:
     import ray
 
-    from trainer.controller import ControllerLoop, RolloutWorker, free_address
+    from trainer import rendezvous
+    from trainer.controller import ControllerLoop, RolloutWorker
 
     @ray.remote(max_concurrency=4)
     class ControllerActor:
@@ -74,7 +75,8 @@ def _remote_classes() -> tuple[Any, Any]:
             return os.getpid()
 
         def address(self) -> tuple[str, int]:
-            return free_address()
+            # where a group this rank hosts meets: its store bound here now (trainer.rendezvous)
+            return rendezvous.host()
 
         def run(self, master_addr: str, master_port: int) -> dict[str, Any]:
             return self.loop.run(master_addr, master_port)
@@ -255,7 +257,7 @@ class Driver:
         if self.rollout_workers:  # controller 0 broadcasts each new policy to every worker
             from trainer.weight_sync import connect_broadcast
 
-            connect_broadcast(self.controllers[0], self.rollout_workers, avoid_port=port,
+            connect_broadcast(self.controllers[0], self.rollout_workers,
                               backend="nccl" if plan.device_type == "gpu" else "gloo")
         self._runs = {c.run.remote(addr, port): r for r, c in enumerate(self.controllers)}
 

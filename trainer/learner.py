@@ -71,12 +71,13 @@ class DataParallelGroup:
                  backend: str = "gloo", timeout_s: float = 600.0):
         from datetime import timedelta
 
-        import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
+
+        from trainer import rendezvous
 
         timeout = timedelta(seconds=timeout_s)
         self.rank, self.world, self.backend, self.timeout_s = rank, world, backend, timeout_s
-        self.store = dist.TCPStore(master_addr, master_port, world, rank == 0, timeout=timeout)
+        self.store = rendezvous.store(master_addr, master_port, rank, world, timeout_s=timeout_s)
         # A registered ProcessGroup (not a bare gloo/NCCL backend): FSDP2 and DTensor look their
         # group up by name. Made like torch's own init_process_group makes one, minus the default.
         name = f"yatt-dp-{master_port}-{next(_GROUP_IDS)}"
@@ -805,11 +806,9 @@ class Learner:
     def _shard(self) -> None:
         """FSDP2 over the data-parallel group: policy, reference and critic, block by block."""
         if self.group is None:  # one rank still shards (a group of one), as on a single GPU
-            import socket
+            from trainer import rendezvous
 
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
+            _, port = rendezvous.host("127.0.0.1")
             self.group = DataParallelGroup("127.0.0.1", port, 0, 1,
                                            backend="nccl" if self.device.type == "cuda" else "gloo")
         self.mesh = self.group.device_mesh(self.device.type)

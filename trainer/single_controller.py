@@ -127,9 +127,10 @@ class TrainingRank:
         return os.getpid()
 
     def address(self) -> tuple[str, int]:
-        from trainer.controller import free_address
+        """Where a group this rank hosts meets (its store bound here now, `trainer.rendezvous`)."""
+        from trainer import rendezvous
 
-        return free_address()
+        return rendezvous.host()
 
     def open_weight_broadcast(self, master_addr: str, master_port: int, receivers: list[Any],
                               backend: str) -> None:
@@ -334,7 +335,7 @@ class SingleControllerDriver(Driver):
         if self.rollout_workers:  # rank 0 broadcasts each new policy to every worker
             from trainer.weight_sync import connect_broadcast
 
-            connect_broadcast(self.controllers[0], self.rollout_workers, avoid_port=self._master[1],
+            connect_broadcast(self.controllers[0], self.rollout_workers,
                               backend="nccl" if plan.device_type == "gpu" else "gloo")
 
     def _watch(self) -> list[dict[str, Any]]:

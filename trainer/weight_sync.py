@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from trainer import rendezvous
+
 __all__ = ["SyncStats", "TrainerWeightSync", "WeightBroadcaster", "WeightReceiver",
            "WeightSyncGroup", "bucket_weights", "connect_broadcast", "drain_weights",
            "load_in_place"]
@@ -144,7 +146,7 @@ class WeightSyncGroup:
             raise ValueError("a weight broadcast needs a source and at least one receiver")
         timeout = timedelta(seconds=timeout_s)
         self.rank, self.world, self.backend = rank, world, backend
-        self.store = dist.TCPStore(master_addr, master_port, world, rank == 0, timeout=timeout)
+        self.store = rendezvous.store(master_addr, master_port, rank, world, timeout_s=timeout_s)
         prefixed = dist.PrefixStore("yatt-weights", self.store)
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -377,14 +379,12 @@ class TrainerWeightSync:
 
 
 def connect_broadcast(source: Any, receivers: list[Any], *, backend: str,
-                      avoid_port: int | None = None, timeout_s: float = 600.0) -> None:
+                      timeout_s: float = 600.0) -> None:
     """Form the broadcast group between a source training-rank actor (`address`,
     `open_weight_broadcast`) and rollout-worker actors (`open_weight_sync`): all join at once."""
     import ray
 
-    addr, port = ray.get(source.address.remote(), timeout=timeout_s)
-    while port == avoid_port:  # the training ranks' all-reduce store takes that one
-        addr, port = ray.get(source.address.remote(), timeout=timeout_s)
+    addr, port = ray.get(source.address.remote(), timeout=timeout_s)  # its store bound already
     world = len(receivers) + 1
     ray.get([source.open_weight_broadcast.remote(addr, port, receivers, backend)]
             + [w.open_weight_sync.remote(addr, port, i + 1, world, backend)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.ranks import meet
 from trainer.config import parse_config
 from trainer.models import ensure_model
 from trainer.shm_grads import SharedGradients
@@ -58,14 +58,14 @@ def _batch(learner, rank: int, step: int, rows: int):
                    truncated=[False] * rows, sample_logprobs=logprobs, staleness=[1] * rows)
 
 
-def _rank_main(rank: int, world: int, port: int, cfg_data: dict, model_dir: str, out: str,
+def _rank_main(rank: int, world: int, port: str, cfg_data: dict, model_dir: str, out: str,
                empty_at: dict) -> None:
     from trainer.learner import DataParallelGroup, Learner, RLBatch
 
     torch.set_num_threads(1)
     torch.manual_seed(rank)  # ranks draw differently: identical weights must come from lockstep
     cfg = parse_config(cfg_data)
-    group = DataParallelGroup("127.0.0.1", port, rank, world)
+    group = DataParallelGroup("127.0.0.1", meet(rank, port), rank, world)
     learner = Learner(cfg, model_dir, dist_group=group)
     metrics = []
     for step in range(4):
@@ -93,12 +93,6 @@ def _leave(group) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_path):
     """Rank 1 has nothing to train at step 1, rank 0 at step 2: with a tight grad clip and a
     critic, any path that skips clipping or the critic step on the empty rank drifts."""
@@ -108,7 +102,7 @@ def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_p
     cfg_data["train"]["balance_ranks"] = False  # or rank 0's groups would fill the empty rank
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = str(tmp_path / "port")
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, cfg_data, str(nano), outs[r],
                                                   {1: [1], 0: [2]}))
              for r in range(2)]
@@ -136,7 +130,7 @@ def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_p
     assert 0 < a["metrics"][0]["rollout/is_capped_frac"] < 1
 
 
-def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out: str,
+def _overlap_rank_main(rank: int, port: str, cfg_data: dict, model_dir: str, out: str,
                        mode: str) -> None:
     """An SFT step, then three RL steps of two epochs, rank 1 empty at step 1, with gradients
     averaged in shared memory (``mode`` "shared"), over gloo during the backward in small buckets
@@ -160,7 +154,7 @@ def _overlap_rank_main(rank: int, port: int, cfg_data: dict, model_dir: str, out
     L.OVERLAP_GRAD_ALL_REDUCE = mode == "buckets"
     L.GRAD_BUCKET_BYTES = 32 * 1024
     # collectives out of order across ranks wait for each other: fail in minutes, not ten
-    group = L.DataParallelGroup("127.0.0.1", port, rank, 2, timeout_s=120)
+    group = L.DataParallelGroup("127.0.0.1", meet(rank, port), rank, 2, timeout_s=120)
     learner = L.Learner(parse_config(cfg_data), model_dir, dist_group=group)
     early: list[int] = []
     if mode == "shared":
@@ -207,7 +201,7 @@ def test_gradient_averages_in_shared_memory_and_during_backward_train_exactly_li
     runs = {}
     for mode in ("shared", "buckets", "after"):
         outs = [str(tmp_path / f"{mode}-rank{r}.pt") for r in range(2)]
-        port = _free_port()
+        port = str(tmp_path / f"{mode}-port")
         procs = [ctx.Process(target=_overlap_rank_main,
                              args=(r, port, cfg_data, str(nano), outs[r], mode)) for r in range(2)]
         for p in procs:
@@ -228,7 +222,7 @@ def test_gradient_averages_in_shared_memory_and_during_backward_train_exactly_li
                 assert torch.equal(tensor, reference[module][name]), f"{module} {name} differs"
 
 
-def _lopsided_rank_main(rank: int, world: int, port: int, cfg_data: dict, model_dir: str, out: str,
+def _lopsided_rank_main(rank: int, world: int, port: str, cfg_data: dict, model_dir: str, out: str,
                         plan: dict) -> None:
     """RL steps on lopsided batches: ``plan["rows"][rank]`` rows a rank, rank 0's responses
     ``plan["stretch"]`` times longer (its passes would hold the others up); rank
@@ -240,7 +234,7 @@ def _lopsided_rank_main(rank: int, world: int, port: int, cfg_data: dict, model_
 
     torch.set_num_threads(1)
     torch.manual_seed(rank)
-    group = DataParallelGroup("127.0.0.1", port, rank, world, timeout_s=120)
+    group = DataParallelGroup("127.0.0.1", meet(rank, port), rank, world, timeout_s=120)
     learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
     metrics = []
     for step in range(plan["steps"]):
@@ -264,7 +258,7 @@ def _run_lopsided(world: int, cfg_data: dict, model_dir: Path, outs: Path, plan:
     ctx = mp.get_context("spawn")
     files = [str(outs / f"rank{r}.pt") for r in range(world)]
     outs.mkdir(parents=True)
-    port = _free_port()
+    port = str(outs / "port")
     procs = [ctx.Process(target=_lopsided_rank_main,
                          args=(r, world, port, cfg_data, str(model_dir), files[r], plan))
              for r in range(world)]

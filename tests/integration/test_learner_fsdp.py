@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.ranks import meet
 from trainer.config import parse_config
 from trainer.models import ensure_model
 
@@ -99,34 +99,9 @@ def _train(rank: int, world: int, port: int, cfg_data: dict, model_dir: str) -> 
 def _rank_main(rank: int, world: int, rendezvous: str, runs: dict, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(rank)
-    results = {name: _train(rank, world, _run_port(rank, Path(rendezvous) / f"port{k}"), cfg, model_dir)
+    results = {name: _train(rank, world, meet(rank, Path(rendezvous) / f"port{k}"), cfg, model_dir)
                for k, (name, cfg) in enumerate(runs.items())}
     torch.save(results, out)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_port(rank: int, path: Path, timeout_s: float = 600.0) -> int:
-    """One run's rendezvous port: rank 0 finds it free just before its TCPStore binds it and
-    writes it to `path`, the other ranks read it there. Ports chosen up front for five runs in a
-    row left minutes for another process to take one (in CI, 2026-12-06: rank 0 died at the bind
-    and rank 1 waited in the rendezvous)."""
-    if rank == 0:
-        port = _free_port()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        tmp.rename(path)  # whole or absent for the reader
-        return port
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 published no port in {path} within {timeout_s:.0f} s")
-        time.sleep(0.05)
-    return int(path.read_text())
 
 
 def _spawn(target, args_for_rank, timeout_s: float = 900.0) -> None:
@@ -228,7 +203,7 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(trained):
         assert a == pytest.approx(b, rel=0.05, abs=1e-3)
 
 
-def _controller_rank(rank: int, port: int, cfg_data: dict, run_dir: str, model_dir: str,
+def _controller_rank(rank: int, rendezvous: str, cfg_data: dict, run_dir: str, model_dir: str,
                      max_steps: int, out: str) -> None:
     from trainer.controller import ControllerLoop
 
@@ -238,7 +213,7 @@ def _controller_rank(rank: int, port: int, cfg_data: dict, run_dir: str, model_d
     loop = ControllerLoop(json.dumps(data), rank=rank, world=2, device=rank, device_type="cpu",
                           cores=1, run_dir=run_dir, rollout_workers=[], local_sampler=True,
                           model_dir=model_dir)
-    loop.run("127.0.0.1", port)
+    loop.run("127.0.0.1", meet(rank, Path(rendezvous)))
     records = loop.drain()
     torch.save({r["step"]: r["metrics"] for r in records
                 if r["type"] == "metrics" and r["step"] > 0}, out)
@@ -246,8 +221,8 @@ def _controller_rank(rank: int, port: int, cfg_data: dict, run_dir: str, model_d
 
 def _controllers(cfg_data: dict, run_dir: Path, model_dir: Path, max_steps: int) -> dict:
     outs = [str(run_dir.parent / f"{run_dir.name}-{max_steps}-rank{r}.pt") for r in range(2)]
-    port = _free_port()
-    _spawn(_controller_rank, lambda r: (r, port, cfg_data, str(run_dir), str(model_dir), max_steps,
+    port = run_dir.parent / f"{run_dir.name}-{max_steps}-port"
+    _spawn(_controller_rank, lambda r: (r, str(port), cfg_data, str(run_dir), str(model_dir), max_steps,
                                         outs[r]))
     return torch.load(outs[0], weights_only=False)
 
@@ -302,7 +277,7 @@ def _padded_batch(rank: int, step: int, rows: int):
 IDLE_ROWS = {0: [4, 4, 4], 1: [4, 2, 0]}
 
 
-def _compiled_rank(rank: int, port: int, cfg_data: dict, model_dir: str, out: str) -> None:
+def _compiled_rank(rank: int, rendezvous: str, cfg_data: dict, model_dir: str, out: str) -> None:
     """A compiled, sharded learner (dynamo's eager backend): its graph count after each step."""
     from torch._dynamo.utils import counters
 
@@ -311,7 +286,7 @@ def _compiled_rank(rank: int, port: int, cfg_data: dict, model_dir: str, out: st
     torch.set_num_threads(1)
     compile_module = torch.nn.Module.compile
     torch.nn.Module.compile = lambda self, **kw: compile_module(self, backend="eager", **kw)
-    group = DataParallelGroup("127.0.0.1", port, rank, 2)
+    group = DataParallelGroup("127.0.0.1", meet(rank, Path(rendezvous)), rank, 2)
     learner = Learner(parse_config(cfg_data), model_dir, dist_group=group)
     graphs, losses = [], []
     for step, rows in enumerate(IDLE_ROWS[rank]):
@@ -332,8 +307,7 @@ def test_a_compiled_sharded_rank_with_fewer_micro_batches_compiles_nothing_new(n
     cfg_data = _cfg(nano, strategy="fsdp2", compile=True)
     cfg_data["algorithm"] = {"name": "grpo", "kl_coef": 0.05}
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    port = _free_port()
-    _spawn(_compiled_rank, lambda r: (r, port, cfg_data, str(nano), outs[r]))
+    _spawn(_compiled_rank, lambda r: (r, str(tmp_path / "port"), cfg_data, str(nano), outs[r]))
     ranks = [torch.load(o, weights_only=False) for o in outs]
     for r, got in enumerate(ranks):
         first, *later = got["graphs"]

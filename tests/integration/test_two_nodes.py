@@ -76,9 +76,9 @@ def _source_class() -> Any:
             return ray.get_runtime_context().get_node_id()
 
         def address(self) -> tuple[str, int]:
-            from trainer.controller import free_address
+            from trainer import rendezvous
 
-            return free_address()
+            return rendezvous.host()
 
         def open_weight_broadcast(self, addr: str, port: int, receivers: list[Any], backend: str) -> None:
             self.sync.open_broadcast(addr, port, receivers, backend=backend)

@@ -72,9 +72,9 @@ def _training_source_class() -> Any:
             self.sync = TrainerWeightSync(device=9, bucket_bytes=BUCKET_BYTES)
 
         def address(self) -> tuple[str, int]:
-            from trainer.controller import free_address
+            from trainer import rendezvous
 
-            return free_address()
+            return rendezvous.host()
 
         def open_weight_broadcast(self, addr: str, port: int, receivers: list[Any], backend: str) -> None:
             self.sync.open_broadcast(addr, port, receivers, backend=backend)

@@ -4,25 +4,19 @@ a real gloo group (the Ray and vLLM path is tests/integration/test_weight_sync.p
 from __future__ import annotations
 
 import io
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from trainer import rendezvous
 from trainer.weight_sync import (
     WeightBroadcaster,
     WeightReceiver,
     WeightSyncGroup,
     bucket_weights,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -78,7 +72,8 @@ def _as_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def test_broadcast_reaches_every_receiver_bit_exact_bucket_by_bucket():
-    port = _free_port()
+    # this process is rank 0: its store is bound before the receivers start (trainer.rendezvous)
+    _, port = rendezvous.host("127.0.0.1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     rounds = ["load", "stop_early", "load"]
