@@ -4,12 +4,15 @@
 
 Same `small` model and workload as bench/trainer_vs_trl.py's generation-heavy case (16 rows per
 controller, up to 256 new tokens), on this machine's default precision (fp32 where the CPU has no
-native bf16). Two questions, each answered side by side in this one run:
+native bf16). Three questions, each answered side by side in this one run:
 
 1. Training pass: one rank's `rl_step` (reference pass + training, 16 rows with responses of
    1-256 tokens, one thread) for each `train.micro_batch_tokens` cap, against no cap ("none": every
    row padded to the batch's longest); alone, and two ranks at once as a colocated step runs them.
-2. Generation: each controller's vLLM engine on its own core (two processes at once, 16 samples
+2. Training beside an engine (`--engine-cap`): the same rl_step, two ranks at once, in a bare
+   process and beside an in-process vLLM engine that generates before every step and takes the
+   new weights after it, as a colocated controller runs; alternated over `--engine-rounds`.
+3. Generation: each controller's vLLM engine on its own core (two processes at once, 16 samples
    each), against one engine on both cores generating all 32 samples (the limit's engine).
 
 Writes its section of docs/benchmarks.md (`--no-docs` to skip).
@@ -46,16 +49,31 @@ def _config(micro_batch_tokens: int | None = None, n: int = 8) -> dict:
     }
 
 
-def child_train(cap: int | None, steps: int) -> dict:
-    """Median seconds of one rank's rl_step on a fixed synthetic batch shape, one thread."""
+def child_train(cap: int | None, steps: int, engine: bool = False) -> dict:
+    """Median seconds of one rank's rl_step on a fixed synthetic batch shape, one thread.
+
+    ``engine``: as a colocated controller runs it, beside an in-process vLLM engine that generates
+    this rank's samples before every step and takes the updated weights in place after it (only
+    the rl_step is timed). The process holds its heap steady as a controller's does.
+    """
     import torch
 
     from trainer.config import parse_config
+    from trainer.host_memory import steady_heap
     from trainer.learner import Learner, RLBatch
+    from trainer.weight_sync import load_in_place
 
+    steady_heap()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    learner = Learner(parse_config(_config(cap)), str(MODEL))
+    cfg = parse_config(_config(cap))
+    sampler = None
+    if engine:  # built first, as a controller builds it (it reseeds torch)
+        from trainer.rollout import make_engine
+
+        sampler = make_engine(cfg, str(MODEL), threads=1, seed=0)
+        torch.manual_seed(0)
+    learner = Learner(cfg, str(MODEL))
     g = torch.Generator().manual_seed(0)
     vocab = learner.policy.config.vocab_size
     lengths = torch.randint(1, TOKENS + 1, (ROWS,), generator=g).tolist()
@@ -67,9 +85,15 @@ def child_train(cap: int | None, steps: int) -> dict:
             scores=torch.rand(ROWS, generator=g).round().tolist(), n=8, truncated=[False] * ROWS,
             sample_logprobs=[(-torch.rand(n, generator=g) * 4).tolist() for n in lengths],
             staleness=[0] * ROWS)
+        if sampler is not None:
+            sampler.generate(["12+34=", "56+7="], n=ROWS // 2)
         t0 = time.perf_counter()
         learner.rl_step(batch)
         times.append(time.perf_counter() - t0)
+        if sampler is not None:
+            load_in_place(sampler, learner.iter_named_weights(), len(times))
+    if sampler is not None:
+        sampler.close()
     return {"median_s": statistics.median(times[1:]), "padded_rows": sum(lengths) / (max(lengths) * ROWS)}
 
 
@@ -119,6 +143,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--caps", default="none,1024,512,256", help="train.micro_batch_tokens values")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--engine-cap", default="1024",
+                    help="cap of the training-beside-an-engine comparison ('' to skip it)")
+    ap.add_argument("--engine-rounds", type=int, default=2)
+    ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cap", default="none", help=argparse.SUPPRESS)
@@ -126,7 +154,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child == "train":
-        print(json.dumps(child_train(None if a.cap == "none" else int(a.cap), a.steps)))
+        print(json.dumps(child_train(None if a.cap == "none" else int(a.cap), a.steps, a.engine)))
         return
     if a.child == "generate":
         print(json.dumps(child_generate(a.samples, a.threads, a.steps)))
@@ -164,6 +192,31 @@ def main() -> None:
               "The last column is what the other controller's pass costs this one: the two cores "
               "share the last-level cache and memory bandwidth, which a cap whose micro-batches fit "
               "one core's own caches would lean on less (a likely reason, not measured directly).", ""]
+
+    if a.engine_cap:
+        # the same rl_step with and without an engine beside it, alternated so that a drift of the
+        # machine's speed falls on both; two ranks at once, as a colocated step trains
+        print(f"== training beside an engine: rl_step at cap {a.engine_cap}, two ranks at once", flush=True)
+        runs: dict[str, list[float]] = {"alone": [], "engine": []}
+        for _ in range(a.engine_rounds):
+            for kind in runs:
+                args = ["--child", "train", "--cap", a.engine_cap, "--steps", str(a.steps),
+                        *(["--engine"] if kind == "engine" else [])]
+                pair = [_result(p) for p in [_spawn(args) for _ in range(min(cores, 2))]]
+                runs[kind].append(max(r["median_s"] for r in pair))
+                print(f"   {kind}: {runs[kind][-1]:.2f} s", flush=True)
+        alone, beside = statistics.median(runs["alone"]), statistics.median(runs["engine"])
+        lines += ["### Training beside an engine", "",
+                  f"One rank's rl_step (`train.micro_batch_tokens` {a.engine_cap}), two ranks at once, "
+                  "each in a process of its own: in a bare process, and beside an in-process vLLM "
+                  f"engine that generates the rank's {ROWS} samples before every step and takes the "
+                  "new weights in place after it, as a colocated controller runs (only the rl_step "
+                  f"timed; the slower rank's median over {a.steps} steps, {a.engine_rounds} rounds "
+                  "in alternating order).", "",
+                  "| process | rl_step per round (s) | median s |", "|---|---|---:|",
+                  f"| bare | {', '.join(f'{x:.2f}' for x in runs['alone'])} | {alone:.2f} |",
+                  f"| beside an engine | {', '.join(f'{x:.2f}' for x in runs['engine'])} | {beside:.2f} |",
+                  "", f"Beside an engine the step takes {beside / alone:.2f}× the bare one.", ""]
 
     print("== generation: an engine per core at once against one engine on all cores", flush=True)
     procs = [_spawn(["--child", "generate", "--samples", str(ROWS), "--threads", "1", "--steps", str(a.steps)],
