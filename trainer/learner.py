@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +58,6 @@ __all__ = ["DataParallelGroup", "FrozenReference", "Learner", "RLBatch", "Respon
 
 log = logging.getLogger(__name__)
 
-_GROUP_IDS = itertools.count()  # process-group names must be unique within a process
-
 
 class DataParallelGroup:
     """The controllers' gradient all-reduce group: gloo on CPU, NCCL on GPU.
@@ -80,7 +79,12 @@ class DataParallelGroup:
         self.store = rendezvous.store(master_addr, master_port, rank, world, timeout_s=timeout_s)
         # A registered ProcessGroup (not a bare gloo/NCCL backend): FSDP2 and DTensor look their
         # group up by name. Made like torch's own init_process_group makes one, minus the default.
-        name = f"yatt-dp-{master_port}-{next(_GROUP_IDS)}"
+        # The name prefixes the backend's keys in the store, so every rank must use the same one,
+        # and it must be new in each rank's process: rank 0 draws it and publishes it (a count
+        # of the groups each process made diverges as soon as one rank's process made another)
+        if rank == 0:
+            self.store.set("yatt-dp/name", f"yatt-dp-{uuid.uuid4().hex[:16]}")
+        name = self.store.get("yatt-dp/name").decode()
         self.pg, _ = c10d._new_process_group_helper(world, rank, [], backend, self.store,
                                                     group_name=name, timeout=timeout)
         c10d._world.pg_group_ranks[self.pg] = {r: r for r in range(world)}

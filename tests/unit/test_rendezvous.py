@@ -21,6 +21,10 @@ def _rank(port: int, rank: int, out: Any) -> None:
 
 
 def test_the_port_handed_out_is_held_until_rank_0_builds_its_group_there():
+    # this process made a group before (as pytest's own does after other tests) and the ranks it
+    # spawns did not: the group's name, which prefixes its keys in the store, must still agree
+    _, earlier = rendezvous.host("127.0.0.1")
+    DataParallelGroup("127.0.0.1", earlier, 0, 1)
     addr, port = rendezvous.host("127.0.0.1")
     # held from now on: another process looking for a port cannot take it in the meantime
     with socket.socket() as s:
