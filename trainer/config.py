@@ -146,8 +146,9 @@ class TrainConfig(_Group):
         "rollout ends and starts on its own micro-batches at once; a rank out of work takes the "
         "next micro-batch of another rank's rows, so no rank waits for another's rollout while "
         "there is work, nor for the slowest backward (not reproducible bit for bit from run to "
-        "run: which rank sums which micro-batch's gradient depends on timing). It applies to "
-        "GRPO/RLOO with `ppo_epochs: 1`, no KL in the reward and `strategy: ddp`; elsewhere deal. "
+        "run: which rank sums which micro-batch's gradient depends on timing; with `ppo_epochs` above 1 "
+        "the later epochs replay the first one's sharing). It applies to GRPO/RLOO with no KL in "
+        "the reward and `strategy: ddp`; elsewhere deal. "
         "deal: before the update, deal whole prompt groups so that each rank passes about as many "
         "tokens (verl's `balance_batch`). off: each rank trains its own rows. true and false "
         "mean deal and off.")

@@ -1206,11 +1206,11 @@ class Learner:
     def _queue_applies(self) -> bool:
         """Whether `train.balance_ranks: queue` can take this step (else it deals groups): the
         loss of a micro-batch must need nothing of the rows outside its rank's own (no critic, no
-        KL in the reward, no advantage whitened over the batch), one optimizer step, and ranks that
-        run their passes apart (under FSDP2 every pass is a collective)."""
+        KL in the reward, no advantage whitened over the batch), and ranks that run their passes
+        apart (under FSDP2 every pass is a collective)."""
         cfg, algo = self.cfg, self.cfg.algorithm
         return (self.group is not None and self.world_size > 1 and not self.sharded
-                and cfg.train.balance_ranks == "queue" and cfg.train.ppo_epochs == 1
+                and cfg.train.balance_ranks == "queue"
                 and self.critic is None and algo.name in ("grpo", "rloo")
                 and not (algo.kl_in_reward and self.reference is not None))
 
@@ -1246,6 +1246,11 @@ class Learner:
         (rows, for ``seq_mean``) and the summed gradient is divided by the global count after the
         average, which gives `rl_step`'s gradient. One counter add per micro-batch; the gradient
         average runs after the last backward (no rank knows in advance which backward is its last).
+
+        With `train.ppo_epochs` above 1 the queue shares the first epoch, and every later epoch
+        replays it: each rank trains again the micro-batches it took, against the proximal
+        log-probs its first pass over them gave (the first epoch's sharing was measured, so the
+        replay is as even; nothing goes through the store again).
         """
         assert self.group is not None
         cfg, algo = self.cfg, self.cfg.algorithm
@@ -1264,6 +1269,7 @@ class Learner:
         self._zero_grad(self.optimizer, self.policy_grads)
         order = [rank, *(r for r in range(world) if r != rank)]
         done: set[int] = set()
+        mine: list[tuple[int, Tensor, float, Tensor]] = []  # (rows' rank, micro-batch, weight, old)
         while len(done) < world:
             took = False
             for r in order:
@@ -1298,8 +1304,10 @@ class Learner:
                 wt = float(m.sum()) if token_mean else float(len(c))
                 # one epoch: the policy being trained is the proximal policy; the loss is divided
                 # by the global weight after the average
-                self._train_micro_batch(args, c, share.adv[c], share.behaviour[c], share.has_behaviour[c],
-                                        ref_c, None, wt, wt, sums, off, temperature=temp)
+                old_c = self._train_micro_batch(args, c, share.adv[c], share.behaviour[c],
+                                                share.has_behaviour[c], ref_c, None, wt, wt, sums,
+                                                off, temperature=temp)
+                mine.append((r, c, wt, old_c))
                 weight += wt
                 tokens += float(m.sum())
                 if r != rank:
@@ -1315,7 +1323,6 @@ class Learner:
                     while not any(store.check([k]) for k in late):
                         time.sleep(1e-3)
                 waited += time.perf_counter() - start
-        overall = self._global_means(weight, sums, off)
         # One collective on every rank: the global weight, and each rank's own and trained tokens.
         own = shares[rank]
         own_tokens = float(own.mask.sum()) if own.mask is not None else 0.0
@@ -1327,8 +1334,24 @@ class Learner:
         store.delete_key(f"{key}/next/{rank}")
         self._grad_sync_s = 0.0
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        grad_norm = self._apply_gradients(params, self.optimizer, self.policy_grads,
-                                          scale=world / max(g_weight, 1.0))
+        scale = world / max(g_weight, 1.0)
+        grad_norms = [self._apply_gradients(params, self.optimizer, self.policy_grads, scale=scale)]
+        for _ in range(1, cfg.train.ppo_epochs):
+            self._zero_grad(self.optimizer, self.policy_grads)
+            for r, c, wt, old_c in mine:
+                share = shares[r]
+                assert share.ids is not None and share.attn is not None and share.index is not None
+                assert share.mask is not None and share.adv is not None
+                assert share.behaviour is not None and share.has_behaviour is not None
+                self._train_micro_batch(
+                    (share.ids, share.attn, share.index, share.mask), c, share.adv[c],
+                    share.behaviour[c], share.has_behaviour[c],
+                    share.ref_lp[c] if share.ref_lp is not None else None, old_c, wt, wt, sums, None,
+                    temperature=temp)
+            grad_norms.append(self._apply_gradients(params, self.optimizer, self.policy_grads,
+                                                    scale=scale))
+        overall = self._global_means(weight * cfg.train.ppo_epochs, sums, off)
+        grad_norm = sum(grad_norms) / len(grad_norms)
         self.scheduler.step()
         mean = max(sum(before) / world, 1.0)
         metrics: dict[str, float] = {

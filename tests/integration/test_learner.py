@@ -356,6 +356,38 @@ def test_ranks_sharing_micro_batches_through_a_queue_train_like_the_lopsided_bat
                                    msg=f"policy {name}: queued and lopsided batches trained apart")
 
 
+def test_ranks_sharing_micro_batches_through_a_queue_replay_them_in_later_epochs(nano, tmp_path):
+    """`train.ppo_epochs: 2` with the queue: the first epoch shares the micro-batches as above and
+    the second replays the sharing, each rank training again what it took against the proximal
+    log-probs its own first pass gave. The update, the loss metrics and the weights are those of
+    the lopsided batches each trained alone over two epochs, on both ranks alike; a second epoch
+    that trained other rows, or against other proximal log-probs, would move them apart."""
+    # rank 0: 5 groups of long responses, a second late at step 0; rank 1: one group, none at step 2
+    plan = {"steps": 3, "rows": [10, 2], "stretch": 3, "late": (0, 0, 1.0), "empty": (1, 2)}
+    runs = {}
+    for mode in ("queue", "off"):
+        cfg_data = _cfg(nano, name="grpo")
+        cfg_data["train"].update(balance_ranks=mode, micro_batch_size=2, ppo_epochs=2)
+        runs[mode] = _run_lopsided(2, cfg_data, nano, tmp_path / mode, plan)
+    queued, lopsided = runs["queue"], runs["off"]
+    for step in range(3):
+        m0, m1, want = queued[0]["metrics"][step], queued[1]["metrics"][step], lopsided[0]["metrics"][step]
+        for k in ("grad_norm", "loss/policy", "loss/kl", "clip_frac", "rollout/logprob_diff"):
+            assert m0[k] == pytest.approx(m1[k]), k
+            assert m0[k] == pytest.approx(want[k], rel=1e-4, abs=1e-7), (step, k)
+    # the first epoch was shared: rank 1 took some of rank 0's rows at step 0, all at step 2
+    assert queued[1]["metrics"][0]["train/taken_frac"] > 0.3
+    assert queued[1]["metrics"][2]["train/taken_frac"] == 1.0
+    assert lopsided[1]["metrics"][2]["train/empty_batch"] == 1.0
+    # the second epoch moved the weights beyond the first: clipping engaged against the old
+    # log-probs (a rank replaying against its current policy would clip nothing)
+    assert max(queued[0]["metrics"][s]["clip_frac"] for s in range(3)) > 0
+    for name, tensor in queued[0]["policy"].items():
+        assert torch.equal(tensor, queued[1]["policy"][name]), f"policy {name} differs between ranks"
+        torch.testing.assert_close(tensor, lopsided[0]["policy"][name], rtol=1e-4, atol=1e-5,
+                                   msg=f"policy {name}: queued and lopsided batches trained apart")
+
+
 def test_three_ranks_sharing_micro_batches_through_a_queue_train_like_their_own_batches(nano, tmp_path):
     """The queue past two ranks: a rank out of work while two others have yet to publish takes
     from whichever publishes first; every micro-batch is trained once, by one rank, and all three
