@@ -97,9 +97,9 @@ def remote_classes() -> tuple[Any, Any]:
             self.workers: list[Any] = []
 
         def address(self) -> tuple[str, int]:
-            from trainer.controller import free_address
+            from trainer import rendezvous
 
-            return free_address()
+            return rendezvous.host()  # the broadcast's source, rank 0 of its group, takes it
 
         def open_weight_broadcast(self, addr: str, port: int, receivers: list[Any], backend: str) -> None:
             self.sync.open_broadcast(addr, port, receivers, backend=backend)

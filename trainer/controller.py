@@ -21,7 +21,6 @@ import json
 import math
 import os
 import random
-import socket
 import threading
 import time
 import traceback
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer import rendezvous
 from trainer.config import TrainerConfig, parse_config
 from trainer.host_memory import steady_heap
 from trainer.learner import DataParallelGroup, Learner, RLBatch
@@ -43,24 +43,13 @@ from trainer.sampling import DynamicSampler, Group
 from trainer.telemetry import DeviceMonitor, PhaseRecorder
 from trainer.weight_sync import TrainerWeightSync, WeightReceiver, WeightSyncGroup, drain_weights
 
-__all__ = ["PromptStream", "PromptShards", "ControllerLoop", "RolloutWorker", "free_address"]
+__all__ = ["PromptStream", "PromptShards", "ControllerLoop", "RolloutWorker"]
 
 # partial_colocate: a rollout's samples go to the scorers in about this many chunks, so scoring
 # starts after the first eighth of the samples finish and little is left when the last one does.
 STREAM_CHUNKS = 8
 # samples per step (per rank) kept with the step's spans, so a reader can check the rewards
 SCORED_SAMPLES_KEPT = 8
-
-
-def free_address() -> tuple[str, int]:
-    """This node's IP and a TCP port free now, for a library that binds it itself later (a
-    tensor-parallel vLLM engine's group). A store of our own binds first (`trainer.rendezvous`)."""
-    import ray
-
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ip, s.getsockname()[1]
 
 
 class PromptStream:
@@ -425,8 +414,9 @@ class ControllerLoop:
 
     def _meet_tensor_parallel_group(self) -> tuple[Any, int]:
         """Where this rank's tensor-parallel engine meets and the seed its whole group samples with:
-        ranks ``g*tp … g*tp+tp-1`` share engine ``g``; its first rank publishes a free address
-        (and its device, for the seed) in the data-parallel group's store."""
+        ranks ``g*tp … g*tp+tp-1`` share engine ``g``; its first rank binds the engine group's
+        store (vLLM's env:// rendezvous in this process takes it) and publishes its address (and
+        its device, for the seed) in the data-parallel group's store."""
         from trainer.rollout.vllm_engine import TensorParallelGroup
 
         tp = self.cfg.rollout.tensor_parallel_size
@@ -434,7 +424,7 @@ class ControllerLoop:
         engine, shard = divmod(self.rank, tp)
         key = f"yatt-tp-engine-{engine}"
         if shard == 0:
-            addr, port = free_address()
+            addr, port = rendezvous.host(library=True)
             self.group.store.set(key, json.dumps([addr, port, self.device]))
         addr, port, device = json.loads(self.group.store.get(key))
         self._event("tensor_parallel", f"rank {self.rank} is shard {shard} of rollout engine {engine}",

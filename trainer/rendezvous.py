@@ -7,6 +7,10 @@ another run on the node. The late rank 0 then fails to bind, and the other ranks
 rendezvous until they time out. So rank 0's process binds the store first (`host`: the OS picks
 the port) and hands out that address. The group that rank 0 builds there later takes the same
 store (`store`), and every other rank connects to it.
+
+A library that meets through ``env://`` itself (a tensor-parallel vLLM engine's group) takes a
+server bound the same way: torch opens an ``env://`` store multi-tenant, and a multi-tenant
+store finds the server this process already holds on that port (`host(..., library=True)`).
 """
 
 from __future__ import annotations
@@ -18,13 +22,19 @@ from typing import Any
 __all__ = ["host", "store"]
 
 _hosted: dict[int, Any] = {}  # port → the TCPStore server this process bound there, not yet taken
+_kept: list[Any] = []  # servers bound for a library's env:// rendezvous, held for the process's life
 _lock = threading.Lock()  # a Ray actor serves calls on several threads
 
 
-def host(ip: str | None = None, *, timeout_s: float = 600.0) -> tuple[str, int]:
+def host(ip: str | None = None, *, timeout_s: float = 600.0, library: bool = False
+         ) -> tuple[str, int]:
     """Bind a TCPStore server in this process on a port the OS picks. Returns this node's IP
     (Ray's node address unless ``ip`` is given) and the port. The caller is rank 0 of the group
-    that will meet there: its `store(addr, port, 0, …)` takes this server."""
+    that will meet there: its `store(addr, port, 0, …)` takes this server.
+
+    ``library``: the group is a library's, which meets through ``env://`` (MASTER_ADDR and
+    MASTER_PORT) in this process; the server is multi-tenant, so the store torch opens there
+    shares it, and it is held for the process's life rather than handed to `store`."""
     import torch.distributed as dist
 
     if ip is None:
@@ -32,9 +42,12 @@ def host(ip: str | None = None, *, timeout_s: float = 600.0) -> tuple[str, int]:
 
         ip = ray.util.get_node_ip_address()
     server = dist.TCPStore(ip, 0, None, True, timeout=timedelta(seconds=timeout_s),
-                           wait_for_workers=False)
+                           wait_for_workers=False, multi_tenant=library)
     with _lock:
-        _hosted[server.port] = server
+        if library:
+            _kept.append(server)
+        else:
+            _hosted[server.port] = server
     return ip, server.port
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.ranks import meet
+from tests.ranks import leave, meet
 from trainer.config import parse_config
 from trainer.models import ensure_model
 from trainer.shm_grads import SharedGradients
@@ -76,21 +76,7 @@ def _rank_main(rank: int, world: int, port: str, cfg_data: dict, model_dir: str,
         metrics.append(learner.rl_step(batch))
     torch.save({"policy": learner.policy.state_dict(), "critic": learner.critic.state_dict(),
                 "metrics": metrics}, out)
-    _leave(group)
-
-
-def _leave(group) -> None:
-    """End a rank process once every rank has saved its results: past a barrier, and without the
-    interpreter's teardown, where gloo's threads are destroyed in no set order. Once in CI
-    (2026-12-06) a rank aborted there ("terminate called without an active exception", exit
-    code -SIGABRT)."""
-    import os
-    import sys
-
-    group.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(group.barrier)
 
 
 def test_ranks_hold_identical_weights_after_steps_with_empty_batches(nano, tmp_path):
@@ -180,7 +166,7 @@ def _overlap_rank_main(rank: int, port: str, cfg_data: dict, model_dir: str, out
         learner.rl_step(batch)
     torch.save({"policy": learner.policy.state_dict(), "critic": learner.critic.state_dict(),
                 "early": early}, out)
-    _leave(group)
+    leave(group.barrier)
 
 
 def test_gradient_averages_in_shared_memory_and_during_backward_train_exactly_like_gloo_after_it(
@@ -250,7 +236,7 @@ def _lopsided_rank_main(rank: int, world: int, port: str, cfg_data: dict, model_
         metrics.append(learner.rl_step(batch))
     torch.save({"policy": learner.policy.state_dict(), "metrics": metrics,
                 "critic": learner.critic.state_dict() if learner.critic is not None else None}, out)
-    _leave(group)
+    leave(group.barrier)
 
 
 def _run_lopsided(world: int, cfg_data: dict, model_dir: Path, outs: Path, plan: dict) -> list[dict]:
