@@ -147,8 +147,10 @@ class TrainConfig(_Group):
         "next micro-batch of another rank's rows, so no rank waits for another's rollout while "
         "there is work, nor for the slowest backward (not reproducible bit for bit from run to "
         "run: which rank sums which micro-batch's gradient depends on timing; with `ppo_epochs` above 1 "
-        "the later epochs replay the first one's sharing). It applies to GRPO/RLOO with no KL in "
-        "the reward and `strategy: ddp`; elsewhere deal. "
+        "the later epochs replay the first one's sharing). Where the advantages need more than a "
+        "prompt group's scores (a KL in the reward, a critic, whitening over the batch) the "
+        "ranks share the passes they need first, the same way. It applies with `strategy: ddp`; "
+        "under fsdp2 the ranks deal. "
         "deal: before the update, deal whole prompt groups so that each rank passes about as many "
         "tokens (verl's `balance_batch`). off: each rank trains its own rows. true and false "
         "mean deal and off.")

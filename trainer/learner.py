@@ -36,7 +36,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -481,6 +481,11 @@ class _Share:
     has_behaviour: Tensor | None = None
     ref_lp: Tensor | None = None  # [B, T]: given with the rows, or filled in as micro-batches pass
     ref_todo: Tensor | None = None  # [B] bool: rows whose reference log-probs did not come with them
+    # passed before the advantages (`Learner._queued_passes`)
+    here: Tensor | None = None  # [B] bool: rows whose passes this rank ran
+    old_lp: Tensor | None = None  # [B, T]: the proximal policy's, for a KL in the reward
+    values: Tensor | None = None  # [B, T]: the critic's
+    returns: Tensor | None = None  # [B, T]: the critic's targets
 
 
 def in_row_order(chunks: list[Tensor], parts: list[Tensor]) -> Tensor:
@@ -1204,72 +1209,53 @@ class Learner:
         return metrics
 
     def _queue_applies(self) -> bool:
-        """Whether `train.balance_ranks: queue` can take this step (else it deals groups): the
-        loss of a micro-batch must need nothing of the rows outside its rank's own (no critic, no
-        KL in the reward, no advantage whitened over the batch), and ranks that run their passes
-        apart (under FSDP2 every pass is a collective)."""
-        cfg, algo = self.cfg, self.cfg.algorithm
+        """Whether `train.balance_ranks: queue` takes this step (else it deals groups): ranks that
+        run their passes apart (under FSDP2 every pass is a collective)."""
         return (self.group is not None and self.world_size > 1 and not self.sharded
-                and cfg.train.balance_ranks == "queue"
-                and self.critic is None and algo.name in ("grpo", "rloo")
-                and not (algo.kl_in_reward and self.reference is not None))
+                and self.cfg.train.balance_ranks == "queue")
+
+    def _queue_prepass(self) -> bool:
+        """Whether the queued step's advantages need more than each share's own scores: the
+        policy's and the reference's log-probs for a KL in the reward, the critic's values, or
+        every row of the batch (advantages whitened over it: PPO, REINFORCE++)."""
+        algo = self.cfg.algorithm
+        return ((algo.kl_in_reward and self.reference is not None) or self.critic is not None
+                or algo.name in ("ppo", "reinforce_pp"))
 
     def _share(self, batch: RLBatch) -> _Share:
-        """A rank's rows laid out as every rank that trains a micro-batch of them needs them."""
+        """A rank's rows laid out as every rank that trains a micro-batch of them needs them, with
+        their advantages unless they wait for the step's passes before training
+        (`_queue_prepass`)."""
         algo = self.cfg.algorithm
         if not len(batch):
             return _Share(batch, [])
         ids, attn, index, mask = self._layout(batch.prompt_ids, batch.response_ids)
         chunks = self._micro_batches(attn.sum(dim=1))
-        scores = self._scores(batch, mask)
-        adv = (A.grpo_advantages(scores, batch.n, algo.norm_adv_by_std) if algo.name == "grpo"
-               else A.rloo_advantages(scores, batch.n))
         behaviour, has = self._behaviour_logprobs(batch, mask)
-        share = _Share(batch, chunks, ids, attn, index, mask, adv.unsqueeze(1).expand_as(mask) * mask,
-                       behaviour, has)
+        share = _Share(batch, chunks, ids, attn, index, mask, None, behaviour, has)
+        if not self._queue_prepass():
+            scores = self._scores(batch, mask)
+            adv = (A.grpo_advantages(scores, batch.n, algo.norm_adv_by_std) if algo.name == "grpo"
+                   else A.rloo_advantages(scores, batch.n))
+            share.adv = adv.unsqueeze(1).expand_as(mask) * mask
         if self.reference is not None:
             share.ref_lp, todo = self._reference_rows(batch, mask)
             share.ref_todo = torch.zeros(len(batch), dtype=torch.bool, device=mask.device)
             share.ref_todo[todo] = True
         return share
 
-    def _queued_rl_step(self, batch: RLBatch, recorder: Any = None) -> dict[str, float]:
-        """`rl_step` with `train.balance_ranks: queue`: the ranks share the step's micro-batches
-        through the group's store instead of dealing rows at a meeting.
-
-        Each rank publishes its rows as it arrives and takes its own micro-batches (longest first)
-        from a counter in the store; a rank out of work takes the next micro-batch of a rank that
-        has published, and waits only while a rank has yet to publish. A micro-batch's reference
-        pass, forward and backward all run on the rank that takes it, its advantages (per prompt
-        group) from its own rows. The loss weights need the global token count, which is known
-        only when every rank has arrived: each micro-batch's loss is weighted by its own tokens
-        (rows, for ``seq_mean``) and the summed gradient is divided by the global count after the
-        average, which gives `rl_step`'s gradient. One counter add per micro-batch; the gradient
-        average runs after the last backward (no rank knows in advance which backward is its last).
-
-        With `train.ppo_epochs` above 1 the queue shares the first epoch, and every later epoch
-        replays it: each rank trains again the micro-batches it took, against the proximal
-        log-probs its first pass over them gave (the first epoch's sharing was measured, so the
-        replay is as even; nothing goes through the store again).
-        """
+    def _take_micro_batches(self, key: str, counter: str, shares: dict[int, _Share],
+                            work: Callable[[_Share, Tensor, bool], None]) -> float:
+        """Run ``work(share, micro_batch, own)`` on micro-batches taken from the store until every
+        rank's are taken: this rank's own first, then the next of any rank that has published its
+        rows (``{key}/rows/{rank}``); rank r's next micro-batch is counted at
+        ``{key}/{counter}/{r}``. ``shares`` gains every rank's rows as they are read. Returns the
+        seconds spent waiting for a rank to publish, with nothing to take."""
         assert self.group is not None
-        cfg, algo = self.cfg, self.cfg.algorithm
-        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         store, rank, world = self.group.store, self.group.rank, self.world_size
-        key = self.group.key("rl-step")
-        payload = _pack_rows(batch)
-        store.set(f"{key}/rows/{rank}", payload)
-        shares = {rank: self._share(_unpack_rows(payload))}  # as the other ranks will see them
-        token_mean = algo.loss_agg == "token_mean"
-        sums = {"loss/policy": 0.0, "loss/kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
-                "loss/total": 0.0, "kl/mean": 0.0}
-        off = {"diff": 0.0, "weight": 0.0, "capped": 0.0, "tokens": 0.0}
-        weight = tokens = taken = ref_rows = 0.0  # this rank's: loss weight, tokens, others' tokens
-        waited = 0.0
-        self._zero_grad(self.optimizer, self.policy_grads)
         order = [rank, *(r for r in range(world) if r != rank)]
         done: set[int] = set()
-        mine: list[tuple[int, Tensor, float, Tensor]] = []  # (rows' rank, micro-batch, weight, old)
+        waited = 0.0
         while len(done) < world:
             took = False
             for r in order:
@@ -1280,38 +1266,11 @@ class Learner:
                         continue
                     shares[r] = self._share(_unpack_rows(store.get(f"{key}/rows/{r}")))
                 share = shares[r]
-                i = store.add(f"{key}/next/{r}", 1) - 1
+                i = store.add(f"{key}/{counter}/{r}", 1) - 1
                 if i >= len(share.chunks):
                     done.add(r)
                     continue
-                c = share.chunks[i]
-                assert share.ids is not None and share.attn is not None and share.index is not None
-                assert share.mask is not None and share.adv is not None
-                assert share.behaviour is not None and share.has_behaviour is not None
-                args = (share.ids, share.attn, share.index, share.mask)
-                m = share.mask[c]
-                ref_c = None
-                if self.reference is not None:
-                    assert share.ref_lp is not None and share.ref_todo is not None
-                    todo = c[share.ref_todo[c]]
-                    if len(todo):
-                        span = recorder.span("reference") if recorder is not None else contextlib.nullcontext()
-                        with torch.no_grad(), span, self.autocast():
-                            share.ref_lp[todo] = self._chunk_logprobs(self.reference, *args, todo,
-                                                                      temperature=temp)[0]
-                        ref_rows += len(todo)
-                    ref_c = share.ref_lp[c]
-                wt = float(m.sum()) if token_mean else float(len(c))
-                # one epoch: the policy being trained is the proximal policy; the loss is divided
-                # by the global weight after the average
-                old_c = self._train_micro_batch(args, c, share.adv[c], share.behaviour[c],
-                                                share.has_behaviour[c], ref_c, None, wt, wt, sums,
-                                                off, temperature=temp)
-                mine.append((r, c, wt, old_c))
-                weight += wt
-                tokens += float(m.sum())
-                if r != rank:
-                    taken += float(m.sum())
+                work(share, share.chunks[i], r == rank)
                 took = True
                 break  # back to this rank's own micro-batches first
             if not took and len(done) < world:  # nothing to take until another rank publishes
@@ -1323,6 +1282,229 @@ class Learner:
                     while not any(store.check([k]) for k in late):
                         time.sleep(1e-3)
                 waited += time.perf_counter() - start
+        return waited
+
+    def _queued_passes(self, key: str, shares: dict[int, _Share], recorder: Any,
+                       temperature: float) -> tuple[float, float]:
+        """The queued step's passes before its advantages (`_queue_prepass`), shared through the
+        store like the training: the proximal policy's log-probs where the KL is in the reward,
+        the reference's where they did not come with the rows, the critic's values. Each
+        micro-batch's results are summed into every rank in one all-reduce, and every rank then
+        computes every share's advantages (the same inputs, the same numbers): whitened over the
+        whole batch for PPO and REINFORCE++, per prompt group for GRPO and RLOO. Returns the
+        seconds this rank waited for another to publish, and the rows of its reference pass."""
+        assert self.group is not None
+        algo = self.cfg.algorithm
+        kl_old = algo.kl_in_reward and self.reference is not None
+        # the same on every rank (no rank knows yet whether the others' rows need a reference pass)
+        passes = kl_old or self.critic is not None or self.reference is not None
+        ref_rows = 0.0
+
+        def prepare(share: _Share) -> None:
+            if share.mask is not None and share.here is None:
+                share.here = torch.zeros(len(share.batch), dtype=torch.bool, device=share.mask.device)
+                if kl_old:
+                    share.old_lp = torch.zeros_like(share.mask, dtype=torch.float32)
+                if self.critic is not None:
+                    share.values = torch.zeros_like(share.mask, dtype=torch.float32)
+
+        def pass_over(share: _Share, c: Tensor, own: bool) -> None:
+            nonlocal ref_rows
+            prepare(share)
+            assert share.ids is not None and share.attn is not None and share.index is not None
+            assert share.mask is not None and share.here is not None
+            args = (share.ids, share.attn, share.index, share.mask)
+            span = recorder.span("reference") if recorder is not None else contextlib.nullcontext()
+            with torch.no_grad(), span, self.autocast():
+                if share.old_lp is not None:
+                    self.policy.eval()
+                    share.old_lp[c] = self._chunk_logprobs(self.policy, *args, c,
+                                                           temperature=temperature)[0]
+                    self.policy.train()
+                if share.ref_lp is not None and share.ref_todo is not None:
+                    todo = c[share.ref_todo[c]]
+                    if len(todo):
+                        share.ref_lp[todo] = self._chunk_logprobs(self.reference, *args, todo,
+                                                                  temperature=temperature)[0]
+                        ref_rows += len(todo)
+                if share.values is not None:
+                    share.values[c] = self._chunk_values(*args, c).float()
+            share.here[c] = True
+
+        waited = 0.0
+        if passes:
+            waited = self._take_micro_batches(key, "pass", shares, pass_over)
+        else:  # nothing to pass: the advantages need every rank's rows, so wait for them all
+            start = time.perf_counter()
+            self.group.store.wait([f"{key}/rows/{r}" for r in range(self.world_size)])
+            waited = time.perf_counter() - start
+            for r in range(self.world_size):
+                if r not in shares:
+                    shares[r] = self._share(_unpack_rows(self.group.store.get(f"{key}/rows/{r}")))
+        ordered = [shares[r] for r in range(self.world_size) if shares[r].mask is not None]
+        for share in ordered:
+            prepare(share)
+        # each row's results were computed by one rank: a sum over ranks of zero-filled buffers
+        parts: list[tuple[_Share, str, Tensor]] = []
+        for share in ordered:
+            assert share.here is not None
+            for name in ("old_lp", "ref_lp", "values"):
+                t = getattr(share, name)
+                if t is None:
+                    continue
+                rows = share.here & share.ref_todo if name == "ref_lp" else share.here
+                assert rows is not None
+                parts.append((share, name, t * rows.unsqueeze(1)))
+        if passes and parts:
+            flat = torch.cat([p.reshape(-1).float() for _, _, p in parts]).to(self.device)
+            self.group.all_reduce(flat)
+            at = 0
+            for share, name, p in parts:
+                got = flat[at: at + p.numel()].view_as(p).to(p.device, p.dtype)
+                at += p.numel()
+                if name == "ref_lp":
+                    assert share.ref_todo is not None and share.ref_lp is not None
+                    share.ref_lp[share.ref_todo] = got[share.ref_todo]
+                else:
+                    setattr(share, name, got)
+        self._queued_advantages(ordered)
+        return waited, ref_rows
+
+    def _queued_advantages(self, shares: list[_Share]) -> None:
+        """Every share's token advantages (and a critic's returns), as `rl_step` computes them over
+        the whole batch, from the results of `_queued_passes`."""
+        algo = self.cfg.algorithm
+        kl_old = algo.kl_in_reward and self.reference is not None
+        tokens = total = square = 0.0
+        for share in shares:
+            assert share.mask is not None
+            mask = share.mask
+            scores = self._scores(share.batch, mask)
+            kl_r = None
+            if kl_old:
+                assert share.old_lp is not None and share.ref_lp is not None
+                kl_r = A.kl_penalty(share.old_lp, share.ref_lp, algo.kl_estimator) * mask
+            if algo.name in ("grpo", "rloo"):
+                seq = scores - (algo.kl_coef * kl_r.sum(dim=1) if kl_r is not None else 0.0)
+                adv = (A.grpo_advantages(seq, share.batch.n, algo.norm_adv_by_std)
+                       if algo.name == "grpo" else A.rloo_advantages(seq, share.batch.n))
+                share.adv = adv.unsqueeze(1).expand_as(mask) * mask
+                continue
+            tok_r = A.token_rewards(scores, mask, kl_r, algo.kl_coef)
+            if algo.name == "reinforce_pp":
+                share.adv = A.discounted_returns(tok_r, mask, algo.gamma)
+            else:
+                assert share.values is not None
+                share.values = share.values * mask
+                share.adv, share.returns = A.gae_advantages(tok_r, share.values, mask, algo.gamma,
+                                                            algo.lam)
+            tokens += float(mask.sum())
+            total += float((share.adv * mask).sum())
+            square += float((share.adv.double() ** 2 * mask).sum())
+        if algo.name in ("ppo", "reinforce_pp"):  # whitened over the whole data-parallel batch
+            mean = total / max(tokens, 1.0)
+            var = max(square - tokens * mean * mean, 0.0) / max(tokens - 1.0, 1.0)
+            for share in shares:
+                assert share.adv is not None and share.mask is not None
+                share.adv = (share.adv - mean) / (math.sqrt(var) + 1e-8) * share.mask
+
+    def _queued_rl_step(self, batch: RLBatch, recorder: Any = None) -> dict[str, float]:
+        """`rl_step` with `train.balance_ranks: queue`: the ranks share the step's micro-batches
+        through the group's store instead of dealing rows at a meeting.
+
+        Each rank publishes its rows as it arrives and takes its own micro-batches (longest first)
+        from a counter in the store; a rank out of work takes the next micro-batch of a rank that
+        has published, and waits only while a rank has yet to publish (`_take_micro_batches`). A
+        micro-batch's forward and backward run on the rank that takes it. The loss weights need
+        the global token count, which is known only when every rank has arrived: each
+        micro-batch's loss is weighted by its own tokens (rows, for ``seq_mean``) and the summed
+        gradient is divided by the global count after the average, which gives `rl_step`'s
+        gradient. One counter add per micro-batch; the gradient average runs after the last
+        backward (no rank knows in advance which backward is its last).
+
+        GRPO and RLOO with the KL in the loss (or none) train at once: a micro-batch's advantages
+        come from its own prompt groups' scores, and its reference pass runs where it is trained.
+        Otherwise the passes the advantages need are shared first, the same way, and their
+        results exchanged (`_queued_passes`): a KL in the reward, a critic's values, advantages
+        whitened over the batch.
+
+        With `train.ppo_epochs` above 1 the queue shares the first epoch, and every later epoch
+        replays it: each rank trains again the micro-batches it took, against the proximal
+        log-probs its first pass over them gave (the first epoch's sharing was measured, so the
+        replay is as even; nothing goes through the store again).
+        """
+        assert self.group is not None
+        cfg, algo = self.cfg, self.cfg.algorithm
+        if algo.name not in ("grpo", "rloo", "reinforce_pp", "ppo"):
+            raise ValueError(f"algorithm {algo.name!r} is not an RL algorithm")
+        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        store, rank, world = self.group.store, self.group.rank, self.world_size
+        key = self.group.key("rl-step")
+        payload = _pack_rows(batch)
+        store.set(f"{key}/rows/{rank}", payload)
+        shares = {rank: self._share(_unpack_rows(payload))}  # as the other ranks will see them
+        token_mean = algo.loss_agg == "token_mean"
+        sums = {"loss/policy": 0.0, "loss/kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
+                "loss/total": 0.0, "kl/mean": 0.0}
+        if self.critic is not None:
+            sums["loss/value"] = 0.0
+        off = {"diff": 0.0, "weight": 0.0, "capped": 0.0, "tokens": 0.0}
+        weight = tokens = taken = ref_rows = 0.0  # this rank's: loss weight, tokens, others' tokens
+        waited = 0.0
+        if self._queue_prepass():
+            waited, ref_rows = self._queued_passes(key, shares, recorder, temp)
+        self._zero_grad(self.optimizer, self.policy_grads)
+        if self.critic_opt is not None:
+            self._zero_grad(self.critic_opt, self.critic_grads)
+        mine: list[tuple[_Share, Tensor, float, Tensor]] = []  # (rows, micro-batch, weight, old)
+
+        def train(share: _Share, c: Tensor, own: bool, old: Tensor | None = None,
+                  first: bool = True) -> Tensor:
+            nonlocal ref_rows
+            assert share.ids is not None and share.attn is not None and share.index is not None
+            assert share.mask is not None and share.adv is not None
+            assert share.behaviour is not None and share.has_behaviour is not None
+            args = (share.ids, share.attn, share.index, share.mask)
+            m = share.mask[c]
+            ref_c = None
+            if share.ref_lp is not None and share.ref_todo is not None:
+                todo = c[share.ref_todo[c]] if share.here is None else c[:0]  # else passed before
+                if len(todo):
+                    span = recorder.span("reference") if recorder is not None else contextlib.nullcontext()
+                    with torch.no_grad(), span, self.autocast():
+                        share.ref_lp[todo] = self._chunk_logprobs(self.reference, *args, todo,
+                                                                  temperature=temp)[0]
+                    ref_rows += len(todo)
+                ref_c = share.ref_lp[c]
+            if old is None and share.old_lp is not None:
+                old = share.old_lp[c]  # the KL in the reward took the proximal log-probs up front
+            wt = float(m.sum()) if token_mean else float(len(c))
+            # the policy being trained is the proximal policy in the first epoch; the loss is
+            # divided by the global weight after the average
+            old_c = self._train_micro_batch(args, c, share.adv[c], share.behaviour[c],
+                                            share.has_behaviour[c], ref_c, old, wt, wt, sums,
+                                            off if first else None, temperature=temp)
+            if self.critic is not None:
+                assert share.values is not None and share.returns is not None
+                with self.autocast():
+                    v = self._chunk_values(*args, c)
+                vl, _ = A.value_loss(v, share.values[c], share.returns[c], m)
+                (vl * wt).backward()
+                sums["loss/value"] += wt * float(vl.detach())
+            return old_c
+
+        def first_epoch(share: _Share, c: Tensor, own: bool) -> None:
+            nonlocal weight, tokens, taken
+            assert share.mask is not None
+            old_c = train(share, c, own)
+            wt = float(share.mask[c].sum()) if token_mean else float(len(c))
+            mine.append((share, c, wt, old_c))
+            weight += wt
+            tokens += float(share.mask[c].sum())
+            if not own:
+                taken += float(share.mask[c].sum())
+
+        waited += self._take_micro_batches(key, "next", shares, first_epoch)
         # One collective on every rank: the global weight, and each rank's own and trained tokens.
         own = shares[rank]
         own_tokens = float(own.mask.sum()) if own.mask is not None else 0.0
@@ -1330,26 +1512,28 @@ class Learner:
                  *(tokens if r == rank else 0.0 for r in range(world))]
         totals = self.all_reduce_sum(local)
         g_weight, before, after = totals[0], totals[1: 1 + world], totals[1 + world:]
-        store.delete_key(f"{key}/rows/{rank}")  # every rank is past its last read of them
-        store.delete_key(f"{key}/next/{rank}")
+        for counter in ("rows", "pass", "next"):  # every rank is past its last read of them
+            store.delete_key(f"{key}/{counter}/{rank}")
         self._grad_sync_s = 0.0
         params = [p for p in self.policy.parameters() if p.requires_grad]
         scale = world / max(g_weight, 1.0)
-        grad_norms = [self._apply_gradients(params, self.optimizer, self.policy_grads, scale=scale)]
+
+        def apply() -> float:
+            norm = self._apply_gradients(params, self.optimizer, self.policy_grads, scale=scale)
+            if self.critic is not None:
+                assert self.critic_opt is not None
+                self._apply_gradients(list(self.critic.parameters()), self.critic_opt,
+                                      self.critic_grads, scale=scale)
+            return norm
+
+        grad_norms = [apply()]
         for _ in range(1, cfg.train.ppo_epochs):
             self._zero_grad(self.optimizer, self.policy_grads)
-            for r, c, wt, old_c in mine:
-                share = shares[r]
-                assert share.ids is not None and share.attn is not None and share.index is not None
-                assert share.mask is not None and share.adv is not None
-                assert share.behaviour is not None and share.has_behaviour is not None
-                self._train_micro_batch(
-                    (share.ids, share.attn, share.index, share.mask), c, share.adv[c],
-                    share.behaviour[c], share.has_behaviour[c],
-                    share.ref_lp[c] if share.ref_lp is not None else None, old_c, wt, wt, sums, None,
-                    temperature=temp)
-            grad_norms.append(self._apply_gradients(params, self.optimizer, self.policy_grads,
-                                                    scale=scale))
+            if self.critic_opt is not None:
+                self._zero_grad(self.critic_opt, self.critic_grads)
+            for share, c, _wt, old_c in mine:
+                train(share, c, True, old_c, first=False)
+            grad_norms.append(apply())
         overall = self._global_means(weight * cfg.train.ppo_epochs, sums, off)
         grad_norm = sum(grad_norms) / len(grad_norms)
         self.scheduler.step()
@@ -1365,12 +1549,15 @@ class Learner:
             assert own.adv is not None and own.mask is not None
             metrics["advantage/mean"] = float(A.masked_mean(own.adv, own.mask))
             metrics["advantage/abs_mean"] = float(A.masked_mean(own.adv.abs(), own.mask))
+            if own.values is not None:
+                metrics["critic/value_mean"] = float(A.masked_mean(own.values, own.mask))
             if batch.staleness is not None:
                 metrics["rollout/stale_frac"] = sum(s > 0 for s in batch.staleness) / len(batch)
         if weight:
             metrics.update(overall)
             if self.reference is None:
                 metrics.pop("kl/mean", None)
+            if self.reference is None or algo.kl_in_reward:
                 metrics.pop("loss/kl", None)
             metrics["trained_tokens"] = tokens
         if self.reference is not None and len(batch):
