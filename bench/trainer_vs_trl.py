@@ -31,7 +31,9 @@ share one vLLM engine sharded over their cores instead of an engine each); `-ref
 `placement.reference_on_rollout: 0` (disaggregated: the training rank runs the whole reference
 pass, the A/B of the rollout worker taking a share of it); `-exact`, with `train.pad_to_multiple: 1`
 (each micro-batch cut at its own longest row instead of rounded up to a shape bucket); `-wide`, one device holding both
-cores (one controller, its engine and learner threaded over both) instead of two of a core each.
+cores (one controller, its engine and learner threaded over both) instead of two of a core each;
+`-ppo`, PPO in place of GRPO (a critic, advantages whitened over the batch; with `-dealt`, the
+A/B of the queue sharing the passes before the advantages), on the same work but not TRL's.
 Steps per case: 20 on the short workload and 6 on the generation-heavy one (the issue's runs;
 `--steps` sets both); medians and samples/s skip each case's first step (its warm-up, and a
 compiled case's compile), whose time is its own column.
@@ -64,7 +66,7 @@ SECTION = "trainer_vs_trl"
 
 def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, balance: str = "queue",
                 tensor_parallel: int = 1, reference_on_rollout: float | str = "auto",
-                devices: int = 2, pad_to_multiple: int | None = None) -> dict:
+                devices: int = 2, pad_to_multiple: int | None = None, algorithm: str = "grpo") -> dict:
     """``compiled``: `train.compile` and `rollout.compile` (opt-in: faster steps for a slower start);
     ``balance``: `train.balance_ranks` (queue, the default: a rank out of work takes the others'
     micro-batches; deal: groups dealt across ranks by tokens; off: each rank its own rows);
@@ -73,12 +75,12 @@ def yatt_config(tokens: int, steps: int, mode: str, compiled: bool = False, bala
     worker's share of the reference pass; the default, auto, balances it from phase times);
     ``devices``: 2 devices of a core each, or 1 device holding every core (its controller's engine
     and learner threaded over all of them); ``pad_to_multiple``: `train.pad_to_multiple` (None:
-    yatt's default)."""
+    yatt's default); ``algorithm``: grpo, or ppo (a critic; advantages whitened over the batch)."""
     pad = {} if pad_to_multiple is None else {"pad_to_multiple": pad_to_multiple}
     return {
         "model": {"path": str(MODEL), "preset": "small"},
         "data": {"task": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+"]}},
-        "algorithm": {"name": "grpo", "kl_coef": KL},
+        "algorithm": {"name": algorithm, "kl_coef": KL},
         # micro-batches of at most 1024 padded tokens, rows sorted by length: a chunk of short
         # responses is not padded to the batch's longest (about 4 chunks per rank at 256 tokens)
         "train": {"max_steps": steps, "lr": LR, "batch_size": PROMPTS, "micro_batch_size": 64,
@@ -107,6 +109,9 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     if mode.endswith("-gloo"):
         env = {**(env or os.environ), "YATT_SHM_GRADS": "0"}
         mode = mode.removesuffix("-gloo")
+    # -ppo: PPO (a critic, advantages whitened over the batch) in place of GRPO, with TRL's work
+    algorithm = "ppo" if mode.endswith("-ppo") else "grpo"
+    mode = mode.removesuffix("-ppo")
     # -tp2: the controllers share one vLLM engine sharded over their devices
     tensor_parallel = 2 if mode.endswith("-tp2") else 1
     mode = mode.removesuffix("-tp2")
@@ -132,7 +137,8 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="yatt-bench-") as tmp:
         cfg_path = Path(tmp) / "cfg.yaml"
         cfg_path.write_text(yaml.safe_dump(yatt_config(tokens, steps, mode, compiled, balance, tensor_parallel,
-                                                       reference_on_rollout, devices, pad_to_multiple)))
+                                                       reference_on_rollout, devices, pad_to_multiple,
+                                                       algorithm)))
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "backend.cli", "train", str(cfg_path), "--out", str(run_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600, env=env)
