@@ -15,6 +15,16 @@ from trainer import rendezvous
 from trainer.learner import DataParallelGroup
 
 
+def _assert_held(port: int) -> None:
+    """The port is bound: another process looking for a free one cannot take it."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return
+    raise AssertionError(f"port {port} was free after host() handed it out")
+
+
 def _rank(port: int, rank: int, out: Any) -> None:
     group = DataParallelGroup("127.0.0.1", port, rank, 3, timeout_s=120)
     t = torch.tensor([float(rank + 1)])
@@ -29,14 +39,7 @@ def test_the_port_handed_out_is_held_until_rank_0_builds_its_group_there():
     _, earlier = rendezvous.host("127.0.0.1")
     DataParallelGroup("127.0.0.1", earlier, 0, 1)
     addr, port = rendezvous.host("127.0.0.1")
-    # held from now on: another process looking for a port cannot take it in the meantime
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            pass
-        else:
-            raise AssertionError(f"port {port} was free after host() handed it out")
+    _assert_held(port)  # from now on: no process looking for a port can take it in the meantime
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(port, r, out)) for r in (1, 2)]
@@ -109,13 +112,7 @@ def test_a_library_group_meets_through_env_on_the_store_its_rank_0_hosted():
             time.sleep(0.05)
         port = hosted.value
         assert port, "rank 0 hosted no store"
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                pass
-            else:
-                raise AssertionError(f"port {port} was free after host() handed it out")
+        _assert_held(port)
         go.set()
         got = dict(out.get(timeout=120) for _ in procs)
     finally:
