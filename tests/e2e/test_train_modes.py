@@ -111,14 +111,19 @@ def test_single_controller_dynamic_sampling_and_disaggregated_rollouts(ray_head,
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "rloo", "reinforce_pp", "sft"])
 def test_each_algorithm_completes_a_short_run(ray_head, nano_model, tmp_path, algo):
+    # PPO and REINFORCE++ on two controllers: their ranks share the passes before the advantages
+    # (a critic's values, whitening over the batch) and the training through the balance queue
+    devices = 2 if algo in ("ppo", "reinforce_pp") else 1
     cfg = tiny_config(nano_model, algorithm={"name": algo, "kl_coef": 0.0 if algo == "sft" else 0.01,
                                              "warm_start": {"steps": 0}},
                       train={"max_steps": 2, "batch_size": 4}, checkpoint={"every_steps": 10},
-                      placement={"mode": "colocate", "devices": 1})
+                      placement={"mode": "colocate", "devices": devices})
     summary = run_training(cfg, tmp_path, env={})
     assert summary["algorithm"] == algo and summary["steps"] == 2
     last = [x for x in read_metrics(tmp_path) if x["step"] == 2][0]
     assert ("loss/sft" if algo == "sft" else "loss/policy") in last
+    if devices > 1:
+        assert "train/taken_frac" in last, sorted(last)  # the queue's, not the dealing's
     if algo == "ppo":
         assert "loss/value" in last
     assert "eval/accuracy_end" in read_summary(tmp_path)
