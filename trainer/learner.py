@@ -488,6 +488,19 @@ class _Share:
     returns: Tensor | None = None  # [B, T]: the critic's targets
 
 
+def _moments(adv: Tensor, mask: Tensor) -> tuple[float, float, float]:
+    """Tokens, sum and sum of squares of token advantages (for whitening over several ranks'
+    or shares' rows)."""
+    return (float(mask.sum()), float((adv * mask).sum()), float((adv.double() ** 2 * mask).sum()))
+
+
+def _whitened(adv: Tensor, mask: Tensor, tokens: float, total: float, square: float) -> Tensor:
+    """Token advantages whitened by the moments of the whole batch (`_moments`, summed)."""
+    mean = total / max(tokens, 1.0)
+    var = max(square - tokens * mean * mean, 0.0) / max(tokens - 1.0, 1.0)
+    return (adv - mean) / (math.sqrt(var) + 1e-8) * mask
+
+
 def in_row_order(chunks: list[Tensor], parts: list[Tensor]) -> Tensor:
     """Per-chunk results (rows in `chunks` order) back in the batch's row order."""
     rows = torch.cat(chunks)
@@ -1100,25 +1113,11 @@ class Learner:
                                                    for c in chunks]) * mask
                     self._idle_passes(idle, critic=True)
 
-                if algo.name in ("grpo", "rloo"):
-                    seq_scores = scores - (algo.kl_coef * kl_r.sum(dim=1) if kl_r is not None else 0.0)
-                    if algo.name == "grpo":
-                        adv = A.grpo_advantages(seq_scores, batch.n, algo.norm_adv_by_std)
-                    else:
-                        adv = A.rloo_advantages(seq_scores, batch.n)
-                    adv_tok = adv.unsqueeze(1).expand_as(mask) * mask
-                elif algo.name == "reinforce_pp":
-                    adv_tok = A.discounted_returns(A.token_rewards(scores, mask, kl_r, algo.kl_coef),
-                                                   mask, algo.gamma)
-                elif algo.name == "ppo":
-                    assert values is not None
-                    tok_r = A.token_rewards(scores, mask, kl_r, algo.kl_coef)
-                    adv_tok, returns = A.gae_advantages(tok_r, values, mask, algo.gamma, algo.lam)
+                adv_tok, returns = self._token_advantages(scores, mask, batch.n, kl_r, values)
+                if values is not None:
                     metrics["critic/value_mean"] = float(A.masked_mean(values, mask))
-                else:
-                    raise ValueError(f"algorithm {algo.name!r} is not an RL algorithm")
-            local = [float(mask.sum()), float(rows), float((adv_tok * mask).sum()),
-                     float((adv_tok.double() ** 2 * mask).sum())]
+            tokens, total, square = _moments(adv_tok, mask)
+            local = [tokens, float(rows), total, square]
         else:
             if algo.name not in ("grpo", "rloo", "reinforce_pp", "ppo"):
                 raise ValueError(f"algorithm {algo.name!r} is not an RL algorithm")
@@ -1131,9 +1130,7 @@ class Learner:
         g_tokens, g_rows, adv_sum, adv_sq = self.all_reduce_sum(local)
         if rows and adv_tok is not None and algo.name in ("ppo", "reinforce_pp"):
             # whitened over the whole data-parallel batch, not per rank
-            mean = adv_sum / max(g_tokens, 1.0)
-            var = max(adv_sq - g_tokens * mean * mean, 0.0) / max(g_tokens - 1.0, 1.0)
-            adv_tok = (adv_tok - mean) / (math.sqrt(var) + 1e-8) * mask
+            adv_tok = _whitened(adv_tok, mask, g_tokens, adv_sum, adv_sq)
         if rows:
             assert adv_tok is not None
             metrics["advantage/mean"] = float(A.masked_mean(adv_tok, mask))
@@ -1208,6 +1205,29 @@ class Learner:
         metrics["trained_tokens"] = float(mask.sum())
         return metrics
 
+    def _token_advantages(self, scores: Tensor, mask: Tensor, n: int, kl_r: Tensor | None = None,
+                          values: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Rows' token advantages ``[B, T]`` before any whitening, and a critic's returns (PPO),
+        from their scores, a KL in the reward ``kl_r`` (per token, or None) and the critic's
+        ``values``: per prompt group of ``n`` for GRPO and RLOO, discounted returns for
+        REINFORCE++, GAE for PPO."""
+        algo = self.cfg.algorithm
+        if algo.name in ("grpo", "rloo"):
+            seq_scores = scores - (algo.kl_coef * kl_r.sum(dim=1) if kl_r is not None else 0.0)
+            if algo.name == "grpo":
+                adv = A.grpo_advantages(seq_scores, n, algo.norm_adv_by_std)
+            else:
+                adv = A.rloo_advantages(seq_scores, n)
+            return adv.unsqueeze(1).expand_as(mask) * mask, None
+        if algo.name == "reinforce_pp":
+            return A.discounted_returns(A.token_rewards(scores, mask, kl_r, algo.kl_coef), mask,
+                                        algo.gamma), None
+        if algo.name == "ppo":
+            assert values is not None
+            tok_r = A.token_rewards(scores, mask, kl_r, algo.kl_coef)
+            return A.gae_advantages(tok_r, values, mask, algo.gamma, algo.lam)
+        raise ValueError(f"algorithm {algo.name!r} is not an RL algorithm")
+
     def _queue_applies(self) -> bool:
         """Whether `train.balance_ranks: queue` takes this step (else it deals groups): ranks that
         run their passes apart (under FSDP2 every pass is a collective)."""
@@ -1226,7 +1246,6 @@ class Learner:
         """A rank's rows laid out as every rank that trains a micro-batch of them needs them, with
         their advantages unless they wait for the step's passes before training
         (`_queue_prepass`)."""
-        algo = self.cfg.algorithm
         if not len(batch):
             return _Share(batch, [])
         ids, attn, index, mask = self._layout(batch.prompt_ids, batch.response_ids)
@@ -1234,10 +1253,7 @@ class Learner:
         behaviour, has = self._behaviour_logprobs(batch, mask)
         share = _Share(batch, chunks, ids, attn, index, mask, None, behaviour, has)
         if not self._queue_prepass():
-            scores = self._scores(batch, mask)
-            adv = (A.grpo_advantages(scores, batch.n, algo.norm_adv_by_std) if algo.name == "grpo"
-                   else A.rloo_advantages(scores, batch.n))
-            share.adv = adv.unsqueeze(1).expand_as(mask) * mask
+            share.adv, _ = self._token_advantages(self._scores(batch, mask), mask, batch.n)
         if self.reference is not None:
             share.ref_lp, todo = self._reference_rows(batch, mask)
             share.ref_todo = torch.zeros(len(batch), dtype=torch.bool, device=mask.device)
@@ -1355,7 +1371,7 @@ class Learner:
                 rows = share.here & share.ref_todo if name == "ref_lp" else share.here
                 assert rows is not None
                 parts.append((share, name, t * rows.unsqueeze(1)))
-        if passes and parts:
+        if parts:  # nothing to sum when nothing was passed
             flat = torch.cat([p.reshape(-1).float() for _, _, p in parts]).to(self.device)
             self.group.all_reduce(flat)
             at = 0
@@ -1384,29 +1400,16 @@ class Learner:
             if kl_old:
                 assert share.old_lp is not None and share.ref_lp is not None
                 kl_r = A.kl_penalty(share.old_lp, share.ref_lp, algo.kl_estimator) * mask
-            if algo.name in ("grpo", "rloo"):
-                seq = scores - (algo.kl_coef * kl_r.sum(dim=1) if kl_r is not None else 0.0)
-                adv = (A.grpo_advantages(seq, share.batch.n, algo.norm_adv_by_std)
-                       if algo.name == "grpo" else A.rloo_advantages(seq, share.batch.n))
-                share.adv = adv.unsqueeze(1).expand_as(mask) * mask
-                continue
-            tok_r = A.token_rewards(scores, mask, kl_r, algo.kl_coef)
-            if algo.name == "reinforce_pp":
-                share.adv = A.discounted_returns(tok_r, mask, algo.gamma)
-            else:
-                assert share.values is not None
+            if share.values is not None:
                 share.values = share.values * mask
-                share.adv, share.returns = A.gae_advantages(tok_r, share.values, mask, algo.gamma,
-                                                            algo.lam)
-            tokens += float(mask.sum())
-            total += float((share.adv * mask).sum())
-            square += float((share.adv.double() ** 2 * mask).sum())
+            share.adv, share.returns = self._token_advantages(scores, mask, share.batch.n, kl_r,
+                                                              share.values)
+            moments = _moments(share.adv, mask)
+            tokens, total, square = tokens + moments[0], total + moments[1], square + moments[2]
         if algo.name in ("ppo", "reinforce_pp"):  # whitened over the whole data-parallel batch
-            mean = total / max(tokens, 1.0)
-            var = max(square - tokens * mean * mean, 0.0) / max(tokens - 1.0, 1.0)
             for share in shares:
                 assert share.adv is not None and share.mask is not None
-                share.adv = (share.adv - mean) / (math.sqrt(var) + 1e-8) * share.mask
+                share.adv = _whitened(share.adv, share.mask, tokens, total, square)
 
     def _queued_rl_step(self, batch: RLBatch, recorder: Any = None) -> dict[str, float]:
         """`rl_step` with `train.balance_ranks: queue`: the ranks share the step's micro-batches
@@ -1456,10 +1459,9 @@ class Learner:
         self._zero_grad(self.optimizer, self.policy_grads)
         if self.critic_opt is not None:
             self._zero_grad(self.critic_opt, self.critic_grads)
-        mine: list[tuple[_Share, Tensor, float, Tensor]] = []  # (rows, micro-batch, weight, old)
+        mine: list[tuple[_Share, Tensor, Tensor]] = []  # (rows, micro-batch, proximal log-probs)
 
-        def train(share: _Share, c: Tensor, own: bool, old: Tensor | None = None,
-                  first: bool = True) -> Tensor:
+        def train(share: _Share, c: Tensor, old: Tensor | None = None, first: bool = True) -> Tensor:
             nonlocal ref_rows
             assert share.ids is not None and share.attn is not None and share.index is not None
             assert share.mask is not None and share.adv is not None
@@ -1496,13 +1498,12 @@ class Learner:
         def first_epoch(share: _Share, c: Tensor, own: bool) -> None:
             nonlocal weight, tokens, taken
             assert share.mask is not None
-            old_c = train(share, c, own)
-            wt = float(share.mask[c].sum()) if token_mean else float(len(c))
-            mine.append((share, c, wt, old_c))
-            weight += wt
-            tokens += float(share.mask[c].sum())
+            mine.append((share, c, train(share, c)))
+            m = float(share.mask[c].sum())
+            weight += m if token_mean else float(len(c))
+            tokens += m
             if not own:
-                taken += float(share.mask[c].sum())
+                taken += m
 
         waited += self._take_micro_batches(key, "next", shares, first_epoch)
         # One collective on every rank: the global weight, and each rank's own and trained tokens.
@@ -1531,8 +1532,8 @@ class Learner:
             self._zero_grad(self.optimizer, self.policy_grads)
             if self.critic_opt is not None:
                 self._zero_grad(self.critic_opt, self.critic_grads)
-            for share, c, _wt, old_c in mine:
-                train(share, c, True, old_c, first=False)
+            for share, c, old_c in mine:
+                train(share, c, old_c, first=False)
             grad_norms.append(apply())
         overall = self._global_means(weight * cfg.train.ppo_epochs, sums, off)
         grad_norm = sum(grad_norms) / len(grad_norms)
