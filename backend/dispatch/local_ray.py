@@ -124,6 +124,18 @@ def _log_tail(log_path: Path | None, lines: int = 5) -> str:
     return ("; its log ends: " + " | ".join(x.strip() for x in tail)) if tail else ""
 
 
+def _agent_listen_port(temp_dir: str) -> int | None:
+    """The port the head node's dashboard agent serves HTTP on, from the port file it writes into
+    the session directory once it has started: -1 when its HTTP server failed to start (the port
+    was taken), None while the file is not there yet."""
+    for path in Path(temp_dir, "session_latest").glob("dashboard_agent_listen_port_*"):
+        try:
+            return int(path.read_text().strip())
+        except (OSError, ValueError):
+            return None  # being written
+    return None
+
+
 def start_head(
     settings: Settings,
     *,
@@ -137,8 +149,10 @@ def start_head(
     """Start `ray start --head --block` and wait until its Jobs API answers.
 
     Ray's agents get ports found free here (`free_ports`), and a port found free can be taken by
-    another process before Ray binds it; when `ray start` exits before its head answers, it is
-    started again with fresh agent ports, up to `attempts` times. The head's own ports (`port`,
+    another process before Ray binds it; when `ray start` exits before its head answers, or its
+    dashboard agent reports that it could not listen on its port (Ray then keeps a head that
+    answers but refuses every job), it is started again with fresh agent ports, up to `attempts`
+    times. The head counts as started once it lists its node and its agent has reported a port. The head's own ports (`port`,
     `dashboard_port`) are the caller's and are kept: one that is taken before the start is
     `PortInUse` at once (`ray start` would retry its GCS for about 40 s and exit); one taken during
     it fails every attempt, and the error names both and ends with the head's log."""
@@ -169,6 +183,7 @@ def _start_head_once(
     devices = count_devices() if devices is None else devices  # 0: a head that holds no run
     temp_dir = f"/tmp/yatt-ray-{dashboard_port}"  # short: Ray's unix socket paths are limited
     shutil.rmtree(temp_dir, ignore_errors=True)
+    agent_ports = free_ports(5, exclude={port, dashboard_port})
     cmd = [
         str(Path(sys.executable).with_name("ray")),
         "start",
@@ -188,7 +203,7 @@ def _start_head_once(
         *(f"--{flag}={free}" for flag, free in zip((
             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
             "runtime-env-agent-port", "ray-client-server-port",
-        ), free_ports(5, exclude={port, dashboard_port}), strict=True)),
+        ), agent_ports, strict=True)),
     ]
     log_file = open(log_path or os.devnull, "ab")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(
@@ -213,14 +228,24 @@ def _start_head_once(
             raise HeadExited(f"ray start exited with {proc.returncode}{_log_tail(log_path)}")
         if cluster.ping():
             try:
-                if cluster.nodes():
-                    break
+                answered = bool(cluster.nodes())
             except Exception:
-                pass
+                answered = False
+            agent_port = _agent_listen_port(temp_dir) if answered else None
+            if agent_port == -1:
+                # the agent's HTTP server could not bind the port found free for it: Ray keeps the
+                # agent alive without it, and the head answers but refuses every job ("No
+                # available agent to submit job")
+                stop_head(head)
+                raise HeadExited(f"the Ray dashboard agent could not listen on port {agent_ports[0]} "
+                                 f"(taken after it was found free){_log_tail(log_path)}")
+            if agent_port is not None:
+                break
         time.sleep(0.5)
     else:
         stop_head(head)
-        raise TimeoutError(f"the local Ray head did not answer within {timeout_s:.0f} s")
+        raise TimeoutError(f"the local Ray head did not answer within {timeout_s:.0f} s (or its dashboard "
+                           "agent did not report its port)")
     path = local_head_file(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(head)))

@@ -1,8 +1,10 @@
 """The embedded stack's Ray head (`backend.dispatch.local_ray.start_head`) against real `ray start`:
 Ray's agents get ports found free a moment before Ray binds them, and another process can take
-one in between. A taken agent gRPC port makes `ray start` exit (seen: after about 35 s); the head
-is then started again on fresh agent ports and runs jobs. A taken head port is the caller's to
-fix: the error names it before anything starts."""
+one in between. A taken agent gRPC port makes `ray start` exit (seen: after about 35 s); a taken
+dashboard-agent listen port leaves a head that answers but refuses every job ("No available agent
+to submit job"), which the agent's port file tells (-1). Either way the head is started again on
+fresh agent ports and runs jobs. A taken head port is the caller's to fix: the error names it
+before anything starts."""
 
 from __future__ import annotations
 
@@ -34,15 +36,16 @@ def listener() -> Iterator[int]:
         sock.close()
 
 
+@pytest.mark.parametrize("taken", [0, 1], ids=["agent-listen-port", "agent-grpc-port"])
 def test_a_head_whose_agent_port_is_taken_starts_again_on_fresh_ports_and_runs_jobs(
-        tmp_path: Path, listener: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, listener: int, monkeypatch: pytest.MonkeyPatch, taken: int) -> None:
     asked: list[list[int]] = []
     real = local_ray.free_ports
 
     def first_one_taken(count: int, exclude: object = ()) -> list[int]:
         ports = real(count, exclude)  # type: ignore[arg-type]
         if not asked and count == 5:
-            ports[1] = listener  # the dashboard agent's gRPC port: taken before Ray binds it
+            ports[taken] = listener  # one of the dashboard agent's ports: taken before Ray binds it
         asked.append(ports)
         return ports
 
@@ -52,7 +55,7 @@ def test_a_head_whose_agent_port_is_taken_starts_again_on_fresh_ports_and_runs_j
     head = local_ray.start_head(settings, port=port, dashboard_port=dashboard_port, devices=1,
                                 log_path=tmp_path / "ray-head.log", timeout_s=300)
     try:
-        assert len(asked) == 2 and asked[0][1] == listener and listener not in asked[1]
+        assert len(asked) == 2 and asked[0][taken] == listener and listener not in asked[1]
         assert head.gcs_address == f"127.0.0.1:{port}"  # the caller's ports are kept
         with RayCluster(head.dashboard_url, timeout_s=30) as cluster:
             job = cluster.submit(submission_id=f"probe-{uuid.uuid4().hex[:8]}", entrypoint="echo started",
