@@ -136,6 +136,21 @@ def _agent_listen_port(temp_dir: str) -> int | None:
     return None
 
 
+def _held_by(root_pid: int, ports: list[int]) -> dict[int, bool]:
+    """For each of ``ports`` that something listens on: whether a process of the Ray head
+    started as ``root_pid`` (it or a descendant) is among its listeners."""
+    try:
+        root = psutil.Process(root_pid)
+        mine = {root_pid, *(c.pid for c in root.children(recursive=True))}
+    except psutil.NoSuchProcess:
+        mine = set()
+    held: dict[int, bool] = {}
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port in ports:
+            held[conn.laddr.port] = held.get(conn.laddr.port, False) or conn.pid in mine
+    return held
+
+
 def start_head(
     settings: Settings,
     *,
@@ -151,8 +166,10 @@ def start_head(
     Ray's agents get ports found free here (`free_ports`), and a port found free can be taken by
     another process before Ray binds it; when `ray start` exits before its head answers, or its
     dashboard agent reports that it could not listen on its port (Ray then keeps a head that
-    answers but refuses every job), it is started again with fresh agent ports, up to `attempts`
-    times. The head counts as started once it lists its node and its agent has reported a port. The head's own ports (`port`,
+    answers but refuses every job), or another process listens on one of those ports, it is
+    started again with fresh agent ports, up to `attempts` times. The head counts as started once
+    it lists its node, its dashboard agent has reported its port, and a process of the head
+    listens on every agent port. The head's own ports (`port`,
     `dashboard_port`) are the caller's and are kept: one that is taken before the start is
     `PortInUse` at once (`ray start` would retry its GCS for about 40 s and exit); one taken during
     it fails every attempt, and the error names both and ends with the head's log."""
@@ -232,14 +249,16 @@ def _start_head_once(
             except Exception:
                 answered = False
             agent_port = _agent_listen_port(temp_dir) if answered else None
-            if agent_port == -1:
-                # the agent's HTTP server could not bind the port found free for it: Ray keeps the
-                # agent alive without it, and the head answers but refuses every job ("No
-                # available agent to submit job")
+            held = _held_by(proc.pid, agent_ports) if answered else {}
+            taken = [p for p, mine in held.items() if mine is False]
+            if agent_port == -1 or taken:
+                # a port found free was taken before Ray bound it. Ray keeps some such heads up:
+                # a dashboard agent without its HTTP server answers nothing and the head refuses
+                # every job ("No available agent to submit job"); others exit a moment later
                 stop_head(head)
-                raise HeadExited(f"the Ray dashboard agent could not listen on port {agent_ports[0]} "
-                                 f"(taken after it was found free){_log_tail(log_path)}")
-            if agent_port is not None:
+                raise HeadExited(f"the Ray head's agent ports {taken or agent_ports[:1]} were taken after "
+                                 f"they were found free{_log_tail(log_path)}")
+            if agent_port is not None and all(held.get(p) for p in agent_ports):
                 break
         time.sleep(0.5)
     else:

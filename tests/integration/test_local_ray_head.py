@@ -1,9 +1,10 @@
 """The embedded stack's Ray head (`backend.dispatch.local_ray.start_head`) against real `ray start`:
 Ray's agents get ports found free a moment before Ray binds them, and another process can take
 one in between. A taken agent gRPC port makes `ray start` exit (seen: after about 35 s); a taken
-dashboard-agent listen port leaves a head that answers but refuses every job ("No available agent
-to submit job"), which the agent's port file tells (-1). Either way the head is started again on
-fresh agent ports and runs jobs. A taken head port is the caller's to fix: the error names it
+Ray Client server port makes it exit a moment after the head answers; a taken dashboard-agent
+listen port leaves a head that answers but refuses every job ("No available agent to submit job"),
+which the agent's port file tells (-1). Each time the head is started again on fresh agent ports
+and runs jobs. A taken head port is the caller's to fix: the error names it
 before anything starts."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def listener() -> Iterator[int]:
         sock.close()
 
 
-@pytest.mark.parametrize("taken", [0, 1], ids=["agent-listen-port", "agent-grpc-port"])
+@pytest.mark.parametrize("taken", [0, 1, 4], ids=["agent-listen-port", "agent-grpc-port", "ray-client-server-port"])
 def test_a_head_whose_agent_port_is_taken_starts_again_on_fresh_ports_and_runs_jobs(
         tmp_path: Path, listener: int, monkeypatch: pytest.MonkeyPatch, taken: int) -> None:
     asked: list[list[int]] = []
