@@ -239,6 +239,7 @@ def _start_head_once(
     )
     deadline = time.monotonic() + timeout_s
     cluster = RayCluster(head.dashboard_url, timeout_s=2.0)
+    waiting = "its dashboard did not answer"  # what the head lacked at the last look: the timeout's cause
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             stop_head(head)  # whatever it started before it exited
@@ -250,6 +251,10 @@ def _start_head_once(
                 answered = False
             agent_port = _agent_listen_port(temp_dir) if answered else None
             held = _held_by(proc.pid, agent_ports) if answered else {}
+            unheld = [p for p in agent_ports if not held.get(p)]
+            waiting = ("it listed no node" if not answered
+                       else "its dashboard agent did not report its port" if agent_port is None
+                       else f"no process of it listened on its agent ports {unheld}")
             taken = [p for p, mine in held.items() if mine is False]
             if agent_port == -1 or taken:
                 # a port found free was taken before Ray bound it. Ray keeps some such heads up:
@@ -260,11 +265,13 @@ def _start_head_once(
                                  f"they were found free{_log_tail(log_path)}")
             if agent_port is not None and all(held.get(p) for p in agent_ports):
                 break
+        else:
+            waiting = "its dashboard did not answer"
         time.sleep(0.5)
     else:
         stop_head(head)
-        raise TimeoutError(f"the local Ray head did not answer within {timeout_s:.0f} s (or its dashboard "
-                           "agent did not report its port)")
+        raise TimeoutError(f"the local Ray head did not start within {timeout_s:.0f} s: {waiting}"
+                           f"{_log_tail(log_path)}")
     path = local_head_file(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(head)))

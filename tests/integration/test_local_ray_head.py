@@ -5,7 +5,7 @@ Ray Client server port makes it exit a moment after the head answers; a taken da
 listen port leaves a head that answers but refuses every job ("No available agent to submit job"),
 which the agent's port file tells (-1). Each time the head is started again on fresh agent ports
 and runs jobs. A taken head port is the caller's to fix: the error names it
-before anything starts."""
+before anything starts. A head that never becomes ready times out with what it lacked."""
 
 from __future__ import annotations
 
@@ -86,3 +86,28 @@ def test_a_taken_head_port_fails_at_once_with_an_error_naming_it(tmp_path: Path,
         assert err.value.port == listener and f"port {listener}" in str(err.value) and role in str(err.value)
         assert not (tmp_path / "ray-head.log").exists()  # no `ray start` ran
     assert not local_ray.port_in_use(free)
+
+
+def test_a_head_that_never_holds_an_agent_port_times_out_naming_it_and_leaves_nothing_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # no run here had a port that no process listened on to the end; it stands in for one: the
+    # head's own listener on its Ray Client port is hidden from the check, as if it never bound it
+    hidden: list[int] = []
+    real_held_by = local_ray._held_by
+
+    def one_never_held(root_pid: int, ports: list[int]) -> dict[int, bool]:
+        hidden[:] = ports[4:5]
+        return {p: mine for p, mine in real_held_by(root_pid, ports).items() if p not in hidden}
+
+    monkeypatch.setattr(local_ray, "_held_by", one_never_held)
+    settings = Settings(data_dir=tmp_path, database_url="sqlite://")
+    port, dashboard_port = local_ray.free_ports(2)
+    with pytest.raises(TimeoutError) as err:
+        local_ray.start_head(settings, port=port, dashboard_port=dashboard_port, devices=1,
+                             log_path=tmp_path / "ray-head.log", timeout_s=45)
+    assert f"no process of it listened on its agent ports {hidden}" in str(err.value), err.value
+    deadline = time.monotonic() + 15  # the head was stopped: its processes were killed
+    while (local_ray.port_in_use(port) or local_ray.port_in_use(dashboard_port)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not local_ray.port_in_use(port) and not local_ray.port_in_use(dashboard_port)
+    assert not local_ray.local_head_file(settings).exists()
