@@ -22,7 +22,9 @@ colocated step and its max a disaggregated one; each case is judged against it a
 own work too (the passes scaled to the case's tokens a step: the limit's one draw of samples is
 as long or as short as it happens to be, `limit_at`). Prints samples/s, generated tokens/s,
 tokens a step, median step and phase split per case (a colocated case's training phase with the
-part of it its ranks waited for each other, `time/rank_wait` and `time/grad_sync`), writes a reward-curve PNG per workload and
+part of it its ranks waited for each other, `time/rank_wait` and `time/grad_sync`) and the share
+of the machine's CPU time the hypervisor gave to others while it ran (steal) with one core's
+matmul speed right before and after it (`core_speed`), writes a reward-curve PNG per workload and
 its section of docs/benchmarks.md; the last line is `ratio: X` = yatt's best samples/s over the
 fastest TRL setting that ran, on the generation-heavy workload (the same in tokens/s beside it).
 Opt-in case suffixes (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,yatt-colocate-tp2,limit`):
@@ -55,6 +57,7 @@ import traceback
 from pathlib import Path
 
 import docs_section  # noqa: E402 (bench/docs_section.py, beside this script)
+import psutil
 
 from trainer.host_memory import steady_heap
 from trainer.precision import cpu_native_bf16
@@ -381,7 +384,8 @@ def run_child(case: str, tokens: int, steps: int, out: Path, timeout: float) -> 
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     cmd = [sys.executable, __file__, "--child", case, "--tokens", str(tokens), "--steps", str(steps),
            "--json", str(out)]
-    t0 = time.time()
+    speed0 = core_speed()
+    t0, cpu0 = time.time(), psutil.cpu_times()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
@@ -391,7 +395,44 @@ def run_child(case: str, tokens: int, steps: int, out: Path, timeout: float) -> 
         return {"error": (tail[0] if tail else f"exit {proc.returncode}")[:300]}
     data = json.loads(out.read_text())
     data["wall_s"] = time.time() - t0
+    data["stolen"] = stolen(cpu0, psutil.cpu_times())
+    data["core_gflops"] = [speed0, core_speed()]
     return data
+
+
+def core_speed(rounds: int = 50) -> float:
+    """One core's fp32 matmul speed now, in GFLOP/s: a 512 × 384 by 384 × 1536 product (the
+    `small` policy's MLP shape), the median of ``rounds`` (about 0.6 s on a Zen 3 core). A virtual
+    core can be slow for reasons the guest does not see as steal (another tenant on its SMT
+    sibling, the host's clocks), and a case timed then reads slow; this probe, taken right before
+    and after each case, shows it. It is a snapshot: on the Zen 3 EPYC (2026-12-07) ten probes in
+    a row read 62–78 GFLOP/s with no steal."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 384), torch.randn(384, 1536)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * 512 * 384 * 1536 / statistics.median(times) / 1e9
+
+
+def stolen(before, after) -> float | None:
+    """The share of the machine's CPU time between two `psutil.cpu_times()` that its hypervisor
+    gave to others (steal): a virtual machine's cores are shared, and a case that ran while the
+    host took them reads slow for reasons of its own. None where the kernel reports no steal."""
+    if not hasattr(after, "steal"):
+        return None
+    total = sum(after) - sum(before)
+    return (after.steal - before.steal) / total if total > 0 else None
 
 
 # ----------------------------------------------------------------------------- report (parent)
@@ -404,6 +445,15 @@ def _waits(phases: dict[str, float]) -> str:
     if rank < 0.005 and grad < 0.005:
         return ""
     return f" (of it waiting for the other ranks: their rollout {rank:.2f}, the gradient average {grad:.2f})"
+
+
+def _host(s: dict) -> str:
+    """The host's column: the steal share while the case ran, and the core speed probes around
+    each of its runs (— for results saved before either was taken)."""
+    taken = "—" if s.get("stolen") is None else f"{100 * s['stolen']:.1f}%"
+    speeds = s.get("core_gflops") or []
+    pairs = "; ".join(f"{a:.0f}, {b:.0f}" for a, b in zip(speeds[::2], speeds[1::2], strict=True))
+    return f"{taken}; {pairs or '—'}"
 
 
 def summarize(runs: list[dict]) -> dict | None:
@@ -422,7 +472,9 @@ def summarize(runs: list[dict]) -> dict | None:
             "samples_s": sum(s["samples"] for s in timed) / total_t,
             "gen_tok_s": sum(s["gen_tokens"] for s in timed) / total_t, "phases": phases,
             "tokens_step": sum(s["gen_tokens"] for s in timed) / len(timed),
-            "rewards": [s["reward"] for s in runs[0]["steps"]], "runs": len(runs)}
+            "rewards": [s["reward"] for s in runs[0]["steps"]], "runs": len(runs),
+            "stolen": max((r["stolen"] for r in runs if r.get("stolen") is not None), default=None),
+            "core_gflops": [g for r in runs for g in r.get("core_gflops", [])]}
 
 
 def limit_at(lim: dict, tokens: float) -> tuple[float, float]:
@@ -613,8 +665,9 @@ def main() -> None:
         per_case = f"{steps} steps per case" + (f", each case run {a.repeat} times in alternating order (steps "
                                                  "pooled; the limit's best run)" if a.repeat > 1 else "")
         rows = [f"### {name}: {PROMPTS} prompts × {N} samples × {tokens} new tokens, {per_case}", "",
-                "| case | median step | samples/s | generated tok/s | tokens a step | phase split (median s) | first step |",
-                "|---|---:|---:|---:|---:|---|---:|"]
+                "| case | median step | samples/s | generated tok/s | tokens a step | phase split (median s) | first step "
+                "| the host: CPU it took; one core's GFLOP/s before, after |",
+                "|---|---:|---:|---:|---:|---|---:|---:|"]
         sums: dict[str, dict] = {}
         for case, case_runs in results.items():
             if case.startswith("limit"):
@@ -622,7 +675,7 @@ def main() -> None:
             s = summarize(case_runs)
             if s is None:
                 err = case_runs[0].get("error", "no steps") if case_runs else "not run"
-                rows.append(f"| {case} | — | — | — | — | did not run: {err} | — |")
+                rows.append(f"| {case} | — | — | — | — | did not run: {err} | — | — |")
                 continue
             sums[case] = s
             split = ", ".join(f"{k.replace('_rollout', ' on the rollout worker')} {v:.2f}"
@@ -632,7 +685,7 @@ def main() -> None:
             if s.get("reference_share"):
                 split += f" (its share of the samples {s['reference_share']:.2f})"
             rows.append(f"| {case} | {s['median_step']:.2f} s | {s['samples_s']:.2f} | {s['gen_tok_s']:.0f} | "
-                        f"{s['tokens_step']:,.0f} | {split} | {s['first_step']:.1f} s |")
+                        f"{s['tokens_step']:,.0f} | {split} | {s['first_step']:.1f} s | {_host(s)} |")
         limits = {"eager": best_limit(results.get("limit", [])),
                   "compiled": best_limit(results.get("limit-compiled", []))}
         lim = phase_best(limits["eager"], limits["compiled"])
@@ -658,7 +711,8 @@ def main() -> None:
                          f"{timed}): generation {one['generation']:.2f} s "
                          f"({one['gen_tokens'] / one['generation']:.0f} tok/s for {one['gen_tokens']:,} tokens"
                          f"{_layouts(one)}), reference {one['reference']:.2f} s, "
-                         f"training pass {one['train']:.2f} s{fp32_note}.", ""]
+                         f"training pass {one['train']:.2f} s{fp32_note}"
+                         + (f"; the host: {_host(one)}" if "core_gflops" in one else "") + ".", ""]
             picked = ", ".join(f"{k} {lim['from'][k]}" for k in ("generation", "reference", "train"))
             rows.append(f"**The limit, each phase at its best** ({picked}): generation {lim['generation']:.2f} s, "
                         f"reference {lim['reference']:.2f} s, training pass {lim['train']:.2f} s at "
