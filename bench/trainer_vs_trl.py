@@ -397,6 +397,7 @@ def run_child(case: str, tokens: int, steps: int, out: Path, timeout: float) -> 
     data["wall_s"] = time.time() - t0
     data["stolen"] = stolen(cpu0, psutil.cpu_times())
     data["core_gflops"] = [speed0, core_speed()]
+    out.write_text(json.dumps(data))  # what the parent measured, for a re-render (`--report-from`)
     return data
 
 
