@@ -239,8 +239,9 @@ def _start_head_once(
     )
     deadline = time.monotonic() + timeout_s
     cluster = RayCluster(head.dashboard_url, timeout_s=2.0)
-    waiting = "its dashboard did not answer"  # what the head lacked at the last look: the timeout's cause
+    waiting = ""  # what the head lacked at the last look: the timeout's cause
     while time.monotonic() < deadline:
+        waiting = "its dashboard did not answer"
         if proc.poll() is not None:
             stop_head(head)  # whatever it started before it exited
             raise HeadExited(f"ray start exited with {proc.returncode}{_log_tail(log_path)}")
@@ -263,10 +264,8 @@ def _start_head_once(
                 stop_head(head)
                 raise HeadExited(f"the Ray head's agent ports {taken or agent_ports[:1]} were taken after "
                                  f"they were found free{_log_tail(log_path)}")
-            if agent_port is not None and all(held.get(p) for p in agent_ports):
+            if agent_port is not None and not unheld:
                 break
-        else:
-            waiting = "its dashboard did not answer"
         time.sleep(0.5)
     else:
         stop_head(head)
