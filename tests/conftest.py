@@ -156,6 +156,10 @@ class LiveAPI:
         return YattClient(self.url, self.server.make_token(project or self.project, role), retries=0)
 
 
+# each test's share of busy cores, summed at the end of the run (the CI-time target)
+pytest_plugins = ["tests.cpu_use"]
+
+
 @pytest.fixture(autouse=True)
 def _main_module_restored() -> Iterator[None]:
     """Streamlit's AppTest runs dashboard/app.py as ``__main__`` and leaves it there; a child that
