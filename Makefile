@@ -26,8 +26,15 @@ run: install
 browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
+# Two passes. Most tests only need the right answer and spend much of their time waiting (a Ray
+# head, a vLLM engine, a rank process starting): they run two files at a time (pytest-xdist, a
+# file's tests on one worker, so module fixtures are built once). The `serial` ones assert on wall
+# time or measured speed and run alone afterwards. Both passes always run; either failing fails.
+# Each ends with how busy the cores were (tests/cpu_use.py).
 test: install browser
-	$(BIN)/python -m pytest tests -q --durations=25
+	$(BIN)/python -m pytest tests -q --durations=25 -m "not serial" -n 2 --dist loadfile; side=$$?; \
+	$(BIN)/python -m pytest tests -q --durations=25 -m serial; alone=$$?; \
+	echo "make test: side by side exit $$side, serial exit $$alone"; test $$side -eq 0 -a $$alone -eq 0
 
 test-fast: install
 	$(BIN)/python -m pytest tests -q -m "not slow"

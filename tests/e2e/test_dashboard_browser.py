@@ -19,11 +19,14 @@ from tests.e2e.chromium import chromium_missing_reason, launch_browser, running_
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 SCREENSHOT = ARTIFACTS / "dashboard-run.png"
 
+# serial: runs alone, after the tests that run side by side (`make test`); it asserts
+# on the History page drawn within 2 s
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.postgres,
     pytest.mark.skipif(chromium_missing_reason() is not None,
                        reason=chromium_missing_reason() or ""),
+    pytest.mark.serial,
 ]
 
 

@@ -13,6 +13,10 @@ from trainer import checkpoint as ckpt
 from trainer.entry import run_training
 from trainer.rollout.decode_delay import ENV_VAR
 
+# serial: runs alone, after the tests that run side by side (`make test`); it asserts
+# on placement chosen from measured phase times
+pytestmark = pytest.mark.serial
+
 ray_head = helpers.ray_head  # fixtures shared by the trainer's e2e tests
 nano_model = helpers.nano_model
 

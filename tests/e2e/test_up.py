@@ -20,7 +20,9 @@ import yaml
 from tests.integration.test_dispatch import tiny_config
 from tests.stack import free_ports
 
-pytestmark = pytest.mark.slow
+# serial: runs alone, after the tests that run side by side (`make test`); it asserts
+# on a failed Ray start given up within 60 s
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def _descendants(pid: int) -> list[int]:

@@ -125,14 +125,17 @@ def ray_jobs_of(stack: Stack, run_id: int) -> list[dict[str, Any]]:
         return [j for j in ray.jobs() if (j.get("metadata") or {}).get("yatt_run_id") == str(run_id)]
 
 
-def trainer_processes(run_id: int) -> list[psutil.Process]:
-    """The Ray job driver of a run: the process whose environment says YATT_RUN_ID=<id>."""
+def trainer_processes(stack: Stack, run_id: int) -> list[psutil.Process]:
+    """The Ray job driver of a run of `stack`: the process whose environment says YATT_RUN_ID=<id>
+    and reports to this stack's API (another stack on the machine, a fault drill's, has its own
+    run 1)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         if "trainer.entry" not in " ".join(proc.info.get("cmdline") or []):
             continue
         try:
-            if proc.environ().get("YATT_RUN_ID") == str(run_id):
+            env = proc.environ()
+            if env.get("YATT_RUN_ID") == str(run_id) and env.get("YATT_API_URL") == stack.api_url:
                 found.append(proc)
         except psutil.Error:
             pass
@@ -219,7 +222,7 @@ def test_trainer_killed_mid_run_is_retried_and_resumes_from_checkpoint(
             break
         time.sleep(0.5)
     assert ckpts, stack.logs()
-    procs = trainer_processes(run["id"])
+    procs = trainer_processes(stack, run["id"])
     assert procs, "no trainer process found"
     killed_at = max(c["step"] for c in ckpts)
     for proc in procs:

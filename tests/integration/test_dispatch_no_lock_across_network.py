@@ -17,12 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from backend.dispatch import service as dispatch
 from backend.dispatch.ray_cluster import RayCluster
 from backend.runs import lifecycle
 from backend.runs.state import RunState
 from tests.conftest import LiveAPI
+
+# serial: runs alone, after the tests that run side by side (`make test`); it asserts
+# on the ingest latency's p99 while the reconciler waits
+pytestmark = pytest.mark.serial
 
 RAY_DELAY_S = 8.0
 

@@ -19,7 +19,9 @@ from trainer.config import parse_config
 from trainer.models import ensure_model
 from trainer.shm_grads import SharedGradients
 
-pytestmark = pytest.mark.slow
+# serial: runs alone, after the tests that run side by side (`make test`); it asserts
+# on the ranks' measured waits for each other
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def _cfg(model_dir: Path, **algorithm) -> dict:

@@ -21,7 +21,9 @@ import backend.dispatch.local_ray as local_ray
 from backend.dispatch.ray_cluster import RayCluster
 from backend.settings import Settings
 
-pytestmark = pytest.mark.slow
+# serial: runs alone, after the tests that run side by side (`make test`); it asserts
+# on a head that must reach its last wait within a 45 s timeout
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture

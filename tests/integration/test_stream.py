@@ -19,6 +19,10 @@ from backend.runs.schemas import EventIn
 from backend.runs.stream import RowTail
 from tests.conftest import DATABASES, LiveAPI
 
+# serial: runs alone, after the tests that run side by side (`make test`); it asserts
+# on a stream that answers within 5 s
+pytestmark = pytest.mark.serial
+
 CONFIG = {"train": {"max_steps": 5, "batch_size": 4}, "placement": {"devices": 2}, "seed": 7}
 
 
