@@ -41,6 +41,9 @@ from backend.settings import Settings
 PG_ADMIN_URL = os.environ.get("YATT_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/test")
 DATABASES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 
+# each test's share of busy cores, summed at the end of the run (the CI-time target)
+pytest_plugins = ["tests.cpu_use"]
+
 
 @dataclass
 class LiveServer:
@@ -154,10 +157,6 @@ class LiveAPI:
     def client_for(self, role: str, project: str | None = None) -> YattClient:
         """A client with a new token of `role` in this (or another) project."""
         return YattClient(self.url, self.server.make_token(project or self.project, role), retries=0)
-
-
-# each test's share of busy cores, summed at the end of the run (the CI-time target)
-pytest_plugins = ["tests.cpu_use"]
 
 
 @pytest.fixture(autouse=True)

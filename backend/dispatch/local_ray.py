@@ -239,7 +239,7 @@ def _start_head_once(
     )
     deadline = time.monotonic() + timeout_s
     cluster = RayCluster(head.dashboard_url, timeout_s=2.0)
-    waiting = ""  # what the head lacked at the last look: the timeout's cause
+    waiting = "its dashboard did not answer"  # what the head lacked at the last look: the timeout's cause
     while time.monotonic() < deadline:
         waiting = "its dashboard did not answer"
         if proc.poll() is not None:
