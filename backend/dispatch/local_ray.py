@@ -241,7 +241,6 @@ def _start_head_once(
     cluster = RayCluster(head.dashboard_url, timeout_s=2.0)
     waiting = "its dashboard did not answer"  # what the head lacked at the last look: the timeout's cause
     while time.monotonic() < deadline:
-        waiting = "its dashboard did not answer"
         if proc.poll() is not None:
             stop_head(head)  # whatever it started before it exited
             raise HeadExited(f"ray start exited with {proc.returncode}{_log_tail(log_path)}")
@@ -266,6 +265,8 @@ def _start_head_once(
                                  f"they were found free{_log_tail(log_path)}")
             if agent_port is not None and not unheld:
                 break
+        else:
+            waiting = "its dashboard did not answer"
         time.sleep(0.5)
     else:
         stop_head(head)
