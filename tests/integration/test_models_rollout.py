@@ -253,6 +253,39 @@ def test_vllm_cpu_engine_norms_run_vllms_c_kernels(built, vllm_engine):
     assert len(vllm_engine.generate(["1+1="], n=2)) == 2
 
 
+def test_vllm_cpu_engine_counts_sampled_ranks_without_compiling(vllm_engine):
+    """A CPU engine's sampler counts each sampled token's rank eagerly at a small vocabulary
+    (trainer/rollout/vllm_cpu_ranks.py), so a generate with log-probs never reaches vLLM's
+    compiled count (an Inductor compile, 1.3-10.8 s, on an engine's first generate); the count is
+    each row's tokens at least as likely as the sampled one, and a large vocabulary still goes to
+    vLLM's compiled function."""
+    from vllm.v1.sample import sampler
+
+    count = sampler.batched_count_greater_than
+    assert getattr(count, "_yatt_eager_small_vocab", False), "the engine did not install the eager count"
+    calls = []
+    compiled = count.compiled
+    count.compiled = lambda x, v: calls.append(tuple(x.shape)) or (x >= v).sum(-1)
+    try:
+        samples = vllm_engine.generate(PROMPTS, n=4)
+        assert calls == [] and all(len(s.logprobs) == len(s.response_ids) >= 1 for s in samples)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(12, 258, generator=gen).log_softmax(-1)
+        x[3, 7] = x[3, 5]  # a tie counts as at least as likely
+        picked = torch.tensor([0, 9, 100, 5, 257, 1, 2, 3, 4, 6, 8, 10])
+        values = x.gather(-1, picked[:, None])
+        # the rank by sorting each row: its length less the entries sorted below the sampled value
+        ascending = x.sort(dim=-1).values
+        by_sort = x.shape[-1] - torch.searchsorted(ascending, values, right=False).squeeze(-1)
+        assert torch.equal(count(x, values), by_sort) and by_sort[3] >= 2
+        assert calls == []
+        wide = torch.randn(2, 4096, generator=gen)
+        assert torch.equal(count(wide, wide[:, :1]), (wide >= wide[:, :1]).sum(-1))
+        assert calls == [(2, 4096)]
+    finally:
+        count.compiled = compiled
+
+
 def test_vllm_sleep_is_a_documented_noop_on_cpu(vllm_engine):
     rss = psutil.Process(os.getpid()).memory_info().rss
     vllm_engine.sleep()

@@ -21,6 +21,10 @@ Facts from the installed vLLM (0.32, CPU build) this relies on:
 - Its CPU platform runs every RMSNorm through the native (PyTorch) form of vLLM's IR ops although
   the CPU build carries fused C++ kernels for them; an eager CPU engine puts those first
   (``vllm_cpu_norms.py``: 15% of a colocated rollout's time on the `small` model).
+- Asked for log-probs, its sampler counts each sampled token's rank with a function under
+  ``torch.compile`` (Inductor on CPU), compiled on the engine's first generate: 1.3 s with
+  Inductor's cache warm, 10.8 s cold. A CPU engine counts eagerly at a small vocabulary instead
+  (``vllm_cpu_ranks.py``).
 - The CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process; the
   engine restores it so a colocated trainer can still size its thread pool.
 - Tensor parallelism (``rollout.tensor_parallel_size``) runs through vLLM's external launcher
@@ -231,6 +235,13 @@ class VLLMEngine:
                 priority = vllm_cpu_norms.register()
                 if priority is not None:
                     kwargs["ir_op_priority"] = priority
+            # the sampled token's rank counted eagerly at a small vocabulary, instead of compiled
+            # with Inductor on the first generate (vllm_cpu_ranks.py: 1.3-10.8 s an engine);
+            # YATT_VLLM_CPU_EAGER_RANKS=0 keeps vLLM's compiled count
+            if os.environ.get("YATT_VLLM_CPU_EAGER_RANKS", "1") != "0":
+                from trainer.rollout import vllm_cpu_ranks
+
+                vllm_cpu_ranks.install()
         set_num_threads = torch.set_num_threads
         try:
             self.llm = LLM(**kwargs)  # type: ignore[arg-type]
