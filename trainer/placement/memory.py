@@ -29,11 +29,12 @@ __all__ = ["MemoryEstimate", "ModelShape", "check_memory", "device_memory_bytes"
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Resident size of a process apart from its models, measured here (docs/placement.md): a Ray
-# actor with torch, transformers, the task's data and gloo (a training-only controller peaked at
-# 0.65 GiB), and what an in-process vLLM engine adds besides its KV cache (a rollout worker
-# peaked at 1.84 GiB with a 1 GiB KV cache). vLLM's CPU KV cache is resident in full: an engine
-# with 3 GiB peaked exactly 2.0 GiB above one with 1 GiB.
-CPU_PROCESS_BYTES = 0.60 * GiB
+# actor with torch, transformers, the task's data and gloo (a training-only controller of the demo
+# peaked at 0.80 GiB on 2026-12-07, 0.65 GiB with the stack of 2026-12-02), and what an in-process
+# vLLM engine adds besides its KV cache (a rollout worker peaked at 1.84 GiB with a 1 GiB KV cache,
+# then; 1.14 GiB with its 0.125 GiB on 2026-12-07). vLLM's CPU KV cache is resident in full: an
+# engine with 3 GiB peaked exactly 2.0 GiB above one with 1 GiB.
+CPU_PROCESS_BYTES = 0.75 * GiB
 CPU_VLLM_ENGINE_BYTES = 0.25 * GiB
 GPU_CONTEXT_BYTES = 1.0 * GiB  # CUDA context, cuBLAS workspace, NCCL buffers
 # Activation bytes kept for backward, per token, per layer, per hidden unit (fp32 eager attention,
@@ -50,6 +51,8 @@ class ModelShape:
     heads: int
     kv_heads: int
     tied: bool = True
+    max_positions: int | None = None  # the longest sequence (max_position_embeddings)
+    head_dim: int | None = None  # where the config sets it apart from hidden / heads
 
     @property
     def params(self) -> int:
@@ -69,10 +72,17 @@ class ModelShape:
                    intermediate=int(c.get("intermediate_size") or c.get("n_inner") or 4 * h),
                    vocab=int(c["vocab_size"]), heads=heads,
                    kv_heads=int(c.get("num_key_value_heads") or heads),
-                   tied=bool(c.get("tie_word_embeddings", True)))
+                   tied=bool(c.get("tie_word_embeddings", True)),
+                   max_positions=int(c.get("max_position_embeddings") or c.get("n_positions") or 0) or None,
+                   head_dim=int(c["head_dim"]) if c.get("head_dim") else None)
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel: int = 1) -> int:
+        """K and V of every layer for one token, on one rank of a tensor-parallel engine."""
+        head_dim = self.head_dim or self.hidden // self.heads
+        return self.layers * 2 * max(1, self.kv_heads // tensor_parallel) * head_dim * dtype_bytes
 
 
-def _read_shape(path: str | None) -> ModelShape | None:
+def read_shape(path: str | None) -> ModelShape | None:
     if not path:
         return None
     f = Path(path) / "config.json"
@@ -86,14 +96,35 @@ def _read_shape(path: str | None) -> ModelShape | None:
 
 def model_shape(cfg: TrainerConfig) -> ModelShape | None:
     """The policy's shape: its config.json, else the preset it will be built from, else None."""
-    shape = _read_shape(cfg.model.path)
+    shape = read_shape(cfg.model.path)
     if shape is None and cfg.model.preset is not None:
         from trainer.models import PRESETS
 
         p = PRESETS[cfg.model.preset]
         shape = ModelShape(layers=p.layers, hidden=p.hidden, intermediate=p.intermediate,
-                           vocab=p.bpe_vocab, heads=p.heads, kv_heads=p.kv_heads)
+                           vocab=p.bpe_vocab, heads=p.heads, kv_heads=p.kv_heads,
+                           max_positions=p.max_positions)
     return shape
+
+
+# vLLM's default for a CPU engine (`EngineArgs`: 256 for the LLM class off the large GPUs); the
+# engine passes it explicitly, so the KV cache sized from it and the scheduler agree
+CPU_MAX_NUM_SEQS = 256
+
+
+def cpu_kv_cache_bytes(cfg: TrainerConfig, shape: ModelShape | None) -> int:
+    """The KV cache a vLLM-CPU engine allocates: ``rollout.kv_cache_gb``, but no more than its
+    scheduler can fill, ``CPU_MAX_NUM_SEQS`` sequences at the model's full length, each rank of a
+    tensor-parallel engine holding its share of the KV heads. More is never used, and vLLM zeroes
+    all of it when the engine starts: 1 GiB cost a controller's start 2.2 s on the Zen 4 EPYC
+    (placement to warm start, 10.8 against 8.6 s at 0.125 GiB; fresh pages cost this VM 1-2 s a
+    GiB). The setting itself where the shape or its length is not known."""
+    setting = int(cfg.rollout.kv_cache_gb * GiB)
+    if shape is None or not shape.max_positions:
+        return setting
+    per_token = shape.kv_bytes_per_token(DTYPE_BYTES[sampler_dtype(cfg, "cpu")],
+                                         cfg.rollout.tensor_parallel_size)
+    return min(setting, CPU_MAX_NUM_SEQS * shape.max_positions * per_token)
 
 
 @dataclass
@@ -197,7 +228,7 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
         embed = shape.vocab * shape.hidden
         train["gathered"] = (2 * (P - embed) / max(1, shape.layers) + embed) * cb
     if cfg.reward.kind == "model":
-        rm = _read_shape(cfg.reward.model_path)
+        rm = read_shape(cfg.reward.model_path)
         if rm is not None:
             train["reward_model"] = rm.params * 4.0
     sampler: dict[str, float] = {}
@@ -211,7 +242,7 @@ def estimate_memory(cfg: TrainerConfig, *, device_type: str | None = None,
         # a tensor-parallel engine holds 1/tp of the weights on each of its devices
         sampler["sampler_weights"] = (P * DTYPE_BYTES[sampler_dtype(cfg, "cpu")]
                                       / cfg.rollout.tensor_parallel_size)
-        sampler["kv_cache"] = cfg.rollout.kv_cache_gb * GiB
+        sampler["kv_cache"] = float(cpu_kv_cache_bytes(cfg, shape))
         runtime = {"runtime": CPU_PROCESS_BYTES}
         engine_runtime = CPU_VLLM_ENGINE_BYTES if cfg.rollout.engine == "vllm" else 0.0
     if engine_runtime:
@@ -310,7 +341,7 @@ def check_memory(cfg: TrainerConfig, *, probe_gpu: bool = False) -> MemoryEstima
         return e is not None and e.fits
 
     if dt == "cpu" and cfg.rollout.engine == "vllm":
-        kv = cfg.rollout.kv_cache_gb - over / GiB
+        kv = (est.parts.get("kv_cache", 0.0) - over) / GiB  # the cache the engine would allocate
         kv = math.floor(kv * 10) / 10
         if kv >= 0.1:
             fixes.append(("rollout.kv_cache_gb", f"rollout.kv_cache_gb ≤ {kv:g} would fit"))

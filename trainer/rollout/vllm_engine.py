@@ -17,7 +17,9 @@ Facts from the installed vLLM (0.32, CPU build) this relies on:
   After a reload the prefix cache holds KV computed with old weights, so it is reset.
 - On CPU, ``LLM.sleep`` is a no-op (``CPUWorker.sleep`` only logs): the KV cache stays
   allocated, sized up front by ``rollout.kv_cache_gb`` (``kv_cache_memory_bytes``, the setting
-  ``VLLM_CPU_KVCACHE_SPACE`` feeds). On GPUs sleep level 1 frees the KV cache and offloads weights.
+  ``VLLM_CPU_KVCACHE_SPACE`` feeds), and zeroed at start: a yatt engine allocates no more than
+  its scheduler can fill (``trainer.placement.memory.cpu_kv_cache_bytes``). On GPUs sleep
+  level 1 frees the KV cache and offloads weights.
 - Its CPU platform runs every RMSNorm through the native (PyTorch) form of vLLM's IR ops although
   the CPU build carries fused C++ kernels for them; an eager CPU engine puts those first
   (``vllm_cpu_norms.py``: 15% of a colocated rollout's time on the `small` model).
@@ -226,7 +228,11 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=True)
         else:
             # Eager: compiling the graph costs minutes on a 2-core machine and buys little here.
-            kwargs.update(enforce_eager=not r.compile, kv_cache_memory_bytes=int(r.kv_cache_gb * 2**30))
+            from trainer.placement.memory import CPU_MAX_NUM_SEQS, cpu_kv_cache_bytes, read_shape
+
+            # the cache allocated and zeroed now: no more than the scheduler's sequences can fill
+            kwargs.update(enforce_eager=not r.compile, max_num_seqs=CPU_MAX_NUM_SEQS,
+                          kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, read_shape(str(model_dir))))
             # eager: the norms through vLLM-CPU's C++ kernels instead of its native PyTorch path
             # (vllm_cpu_norms.py); YATT_VLLM_CPU_NORMS=0 keeps them native (bench/trainer_vs_trl A/B)
             if not r.compile and os.environ.get("YATT_VLLM_CPU_NORMS", "1") != "0":
