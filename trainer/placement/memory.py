@@ -116,9 +116,10 @@ def cpu_kv_cache_bytes(cfg: TrainerConfig, shape: ModelShape | None) -> int:
     """The KV cache a vLLM-CPU engine allocates: ``rollout.kv_cache_gb``, but no more than its
     scheduler can fill, ``CPU_MAX_NUM_SEQS`` sequences at the model's full length, each rank of a
     tensor-parallel engine holding its share of the KV heads. More is never used, and vLLM zeroes
-    all of it when the engine starts: 1 GiB cost a controller's start 2.2 s on the Zen 4 EPYC
-    (placement to warm start, 10.8 against 8.6 s at 0.125 GiB; fresh pages cost this VM 1-2 s a
-    GiB). The setting itself where the shape or its length is not known."""
+    all of it when the engine starts: 1 GiB cost a controller's start 0.6-2.2 s on the Zen 4 EPYC
+    (placement to warm start, 10.8 against 8.6 s and, an hour later, 10.2 against 9.6 s with the
+    demo's 128 MiB; fresh pages cost this VM more at some times than at others). The setting
+    itself where the shape or its length is not known."""
     setting = int(cfg.rollout.kv_cache_gb * GiB)
     if shape is None or not shape.max_positions:
         return setting
