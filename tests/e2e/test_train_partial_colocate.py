@@ -28,8 +28,11 @@ def reward_model(tmp_path_factory) -> str:
 def test_partial_colocate_scores_while_generating_with_the_reward_model(
         ray_head, nano_model, reward_model, tmp_path):
     # No warm start: the random policy's responses end at scattered lengths (EOS drawn at
-    # random), so some finish early and are scored while the longest still decode.
-    cfg = tiny_config(nano_model, rollout={"engine": "vllm", "n": 8, "max_new_tokens": 48},
+    # random), so some finish early and are scored while the longest still decode. At 128 new
+    # tokens a rank's first chunk (4 of 32 samples) is out about halfway through the first
+    # rollout (0.19-0.21 s of 0.38-0.41 s, 2026-12-07); at 48 the random policy's first step
+    # finished too few early and scoring began as the rollout ended (0.14-0.15 s of 0.146 s)
+    cfg = tiny_config(nano_model, rollout={"engine": "vllm", "n": 8, "max_new_tokens": 128},
                       reward={"kind": "model", "model_path": reward_model},
                       algorithm={"name": "grpo", "warm_start": {"steps": 0}},
                       train={"max_steps": 3, "batch_size": 8},
