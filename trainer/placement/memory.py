@@ -317,6 +317,7 @@ def check_memory(cfg: TrainerConfig, *, probe_gpu: bool = False) -> MemoryEstima
     if cfg.placement.mode == "auto":
         from trainer.placement.auto import layout_config, starting_layout
 
+        start: TrainerConfig | None
         try:
             start = layout_config(cfg, starting_layout(cfg))
         except ConfigError:
