@@ -287,8 +287,7 @@ def _seq_tokens(cfg: TrainerConfig, prompt_tokens: int | None = None) -> int:
 
 def _hf_kv_bytes(shape: ModelShape, cfg: TrainerConfig, wb: int) -> float:
     seqs = cfg.train.batch_size * cfg.rollout.n
-    head_dim = shape.hidden // shape.heads
-    return 2.0 * shape.layers * shape.kv_heads * head_dim * wb * _seq_tokens(cfg) * seqs
+    return float(shape.kv_bytes_per_token(wb) * _seq_tokens(cfg) * seqs)
 
 
 def _with(cfg: TrainerConfig, **changes: Any) -> TrainerConfig | None:
