@@ -158,6 +158,34 @@ def test_vllm_samples_grouped_with_logprobs_of_the_sampler(built, vllm_engine):
         assert hf_lp[i, : len(s.logprobs)].tolist() == pytest.approx(s.logprobs, abs=2e-3)
 
 
+def test_vllm_texts_are_decoded_once_unless_stop_strings_need_vllms_text(built, vllm_engine):
+    """Without stop strings vLLM skips its token-by-token detokenization (and the decoding of each
+    token's log-prob entry) and keeps the log-probs in flat lists: the text is decoded once from
+    the ids. With a stop string vLLM builds the text, matches on it and cuts there."""
+    cfg, _, tok, base, trained = built
+    greedy = cfg.rollout.model_copy(update={"temperature": 0.0})
+    vllm_engine.rollout = greedy
+    try:
+        vllm_engine.update_weights(trained.state_dict().items())  # answers in digits, then EOS
+        params = vllm_engine._params(1)
+        assert params.detokenize is False and params.flat_logprobs is True
+        plain = vllm_engine.generate(PROMPTS, n=1)
+        texts = [s.response_text for s in plain]
+        assert all(t and t.isdigit() for t in texts), texts
+        assert texts == [tok.decode(s.response_ids, skip_special_tokens=True) for s in plain]
+        assert all(len(s.logprobs) == len(s.response_ids) and s.finish_reason == "stop" for s in plain)
+        # stopped at an answer's last digit: the text ends before that digit's first occurrence
+        long = next(t for t in texts if len(t) >= 2)
+        vllm_engine.rollout = greedy.model_copy(update={"stop": [long[-1]]})
+        assert vllm_engine._params(1).detokenize is True
+        cut = vllm_engine.generate([PROMPTS[texts.index(long)]], n=1)[0]
+        assert cut.response_text == long.split(long[-1])[0] and cut.finish_reason == "stop"
+        assert len(cut.logprobs) == len(cut.response_ids) >= 1
+    finally:
+        vllm_engine.rollout = cfg.rollout
+        vllm_engine.update_weights(base.named_parameters())
+
+
 def test_vllm_weight_update_matches_transformers_greedy(built, vllm_engine):
     cfg, _, tok, base, trained = built
     greedy = parse_config({**cfg.model_dump(), "rollout": {**cfg.rollout.model_dump(),

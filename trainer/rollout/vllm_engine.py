@@ -27,6 +27,11 @@ Facts from the installed vLLM (0.32, CPU build) this relies on:
   ``torch.compile`` (Inductor on CPU), compiled on the engine's first generate: 1.3 s with
   Inductor's cache warm, 10.8 s cold. A CPU engine counts eagerly at a small vocabulary instead
   (``vllm_cpu_ranks.py``).
+- Asked for log-probs, it keeps a dict and a ``Logprob`` object per generated token unless
+  ``flat_logprobs``, and while detokenizing it also decodes the token of each log-prob entry, all
+  in Python on the engine's thread: 7-9% of a one-core rollout of the `small` model (32 and 256
+  new tokens). yatt asks for flat log-probs and leaves detokenization off unless stop strings
+  need vLLM's text; ``_sample`` decodes each finished sample's ids once.
 - The CPU worker replaces ``torch.set_num_threads`` with a no-op for the whole process; the
   engine restores it so a colocated trainer can still size its thread pool.
 - Tensor parallelism (``rollout.tensor_parallel_size``) runs through vLLM's external launcher
@@ -152,14 +157,26 @@ def _load_cpu_in_place(worker, weights_iterator: Iterable[tuple[str, torch.Tenso
     return loaded
 
 
-def _sample(prompt: str, out, completion) -> Sample:  # (vllm RequestOutput, CompletionOutput)
+def _sample(prompt: str, out, completion, tokenizer=None) -> Sample:
+    """A yatt sample from vLLM's RequestOutput and one of its CompletionOutputs. ``tokenizer``:
+    the request was not detokenized (``SamplingParams.detokenize=False``): the text is decoded
+    here, once, from the token ids."""
+    from vllm.logprobs import FlatLogprobs
+
     ids = list(completion.token_ids)
-    logprobs = [step[tok].logprob for tok, step in zip(ids, completion.logprobs or [], strict=True)]
+    lp = completion.logprobs
+    if isinstance(lp, FlatLogprobs):  # logprobs=0: one entry a position, the sampled token's
+        if lp.token_ids != ids or lp.end_indices != list(range(1, len(ids) + 1)):
+            raise RuntimeError("vLLM's flat log-probs do not line up with the sampled tokens")
+        logprobs = list(lp.logprobs)
+    else:
+        logprobs = [step[tok].logprob for tok, step in zip(ids, lp or [], strict=True)]
+    text = completion.text if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
     return Sample(
         prompt=prompt,
         prompt_ids=list(out.prompt_token_ids or []),
         response_ids=ids,
-        response_text=completion.text,
+        response_text=text,
         logprobs=logprobs,
         finish_reason="length" if completion.finish_reason == "length" else "stop",
     )
@@ -276,8 +293,18 @@ class VLLMEngine:
             max_tokens=r.max_new_tokens,
             stop=list(r.stop) or None,
             logprobs=0,  # the sampled token's log-prob only
+            # in a few flat lists a request, not a dict and a Logprob object per token
+            flat_logprobs=True,
             skip_special_tokens=True,
+            # stop strings are matched on the text vLLM builds as it goes; without them the text
+            # is decoded once per sample at the end (_sample), not token by token with each
+            # token's log-prob entry decoded too
+            detokenize=bool(r.stop),
         )
+
+    def _decoder(self):
+        """The tokenizer `_sample` decodes with: None when vLLM detokenized (stop strings)."""
+        return None if self.rollout.stop else self.tokenizer
 
     def _gather_prompts(self, prompts: list[str]) -> tuple[list[str], int]:
         """Tensor parallel: every rank's prompts in rank order, and where this rank's start."""
@@ -300,10 +327,10 @@ class VLLMEngine:
 
     def _generate(self, prompts: list[str], n: int) -> list[Sample]:
         outputs = self.llm.generate(prompts, self._params(n), use_tqdm=False)
-        samples = []
+        samples, decoder = [], self._decoder()
         for prompt, out in zip(prompts, outputs, strict=True):
             for c in sorted(out.outputs, key=lambda c: c.index):
-                samples.append(_sample(prompt, out, c))
+                samples.append(_sample(prompt, out, c, decoder))
         return samples
 
     def generate_stream(self, prompts: list[str], n: int) -> Iterator[list[tuple[int, Sample]]]:
@@ -318,6 +345,7 @@ class VLLMEngine:
         if engine.has_unfinished_requests():
             raise RuntimeError("generate_stream needs an idle engine")
         expanded = [p for p in prompts for _ in range(n)]
+        decoder = self._decoder()
         request_ids = self.llm.enqueue(expanded, self._params(1), use_tqdm=False)
         # enqueue answers the engine's internal ids ("<id>-<random>"); outputs carry "<id>"
         index = {str(rid): i for i, rid in enumerate(request_ids)}
@@ -327,7 +355,7 @@ class VLLMEngine:
             for out in engine.step():
                 if out.finished:
                     i = index[str(out.request_id)]
-                    finished.append((i, _sample(expanded[i], out, out.outputs[0])))
+                    finished.append((i, _sample(expanded[i], out, out.outputs[0], decoder)))
             if finished:
                 yield finished
 
