@@ -373,9 +373,9 @@ def test_bf16_sampler_loads_the_trainers_fp32_weights_and_stays_close_to_them(bu
     trainer's fp32 weights, and keeps fp32 on one without (AVX2 only), where the same bf16 engine is
     asked for by name (emulated: slower, same numbers): its log-probs are near the fp32 model's
     (the mismatch TIS corrects), and a weight update in fp32 reaches it (the trained model answers
-    in digits). Last in this
-    file: with a second vLLM engine alive in the process, the first one's later weight reload
-    no longer matched HF greedy (seen when this test ran before that one)."""
+    in digits). After every test of the module's engine: with a second vLLM engine alive in the
+    process, the first one's later weight reload no longer matched HF greedy (seen when this test
+    ran before that one)."""
     from trainer.learner import native_bf16
     from trainer.precision import sampler_dtype
 
@@ -400,5 +400,25 @@ def test_bf16_sampler_loads_the_trainers_fp32_weights_and_stays_close_to_them(bu
         engine.rollout = greedy.rollout
         texts = [s.response_text for s in engine.generate(PROMPTS, n=1)]
         assert all(t and t.isdigit() for t in texts), texts
+    finally:
+        engine.close()
+
+
+def test_compiled_vllm_engine_takes_weight_updates(built):
+    """`rollout.compile`: vLLM's compiled model reads the weights the in-place load put in its
+    layers (new GEMM handles, new tensors): after an update its greedy output is transformers'
+    for the new weights, and after the old weights are back, its old output again. At the end of
+    the file, like the bf16 engine's test: a second engine alive in the process disturbs the
+    module engine's later reloads."""
+    cfg, model_dir, tok, base, trained = built
+    compiled = _cfg(model_dir, compile=True, temperature=0.0)
+    engine = make_engine(compiled, model_dir, threads=1, seed=0)
+    try:
+        before = [s.response_ids for s in engine.generate(PROMPTS, n=1)]
+        engine.update_weights(trained.state_dict().items())
+        after = [s.response_ids for s in engine.generate(PROMPTS, n=1)]
+        assert after == _hf_greedy(trained, tok, PROMPTS, 6) and after != before
+        engine.update_weights(base.named_parameters())
+        assert [s.response_ids for s in engine.generate(PROMPTS, n=1)] == before
     finally:
         engine.close()
