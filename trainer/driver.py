@@ -79,7 +79,9 @@ def _remote_classes() -> tuple[Any, Any]:
             return rendezvous.host()
 
         def run(self, master_addr: str, master_port: int) -> dict[str, Any]:
-            return self.loop.run(master_addr, master_port)
+            # the engine stays open at the end: the driver kills this process once every
+            # rank's result is in (Driver._stop_gang), so its shutdown would only delay that
+            return self.loop.run(master_addr, master_port, close_engine=False)
 
         def drain(self) -> list[dict[str, Any]]:
             return self.loop.drain()

@@ -261,10 +261,6 @@ class TrainingRank:
 
         ckpt.export_final(Path(path), policy=self.learner.policy, tokenizer=self.learner.tokenizer)
 
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-
     def _span(self, phase: str, start: float) -> dict[str, Any]:
         return {"device": self.device, "phase": phase, "start": start, "end": time.time()}
 
@@ -479,7 +475,8 @@ class SingleControllerDriver(Driver):
         self._evaluate("end")
         if cfg.checkpoint.export_final:
             ray.get(self.controllers[0].export_final.remote(str(self.run_dir / "final")))
-        ray.get([c.close.remote() for c in self.controllers])
+        # the ranks' engines are not closed: Driver.run kills the gang right after (as for the
+        # parallel controllers, whose actors leave theirs open at the end of the run)
         return [{"rank": 0, "step": self.state["step"], "eval": self.state["eval"]}]
 
     # ------------------------------------------------------------------ sampling
