@@ -711,15 +711,14 @@ class ControllerLoop:
         rank's result is in). vLLM's shutdown takes 1.6 s of a one-core process (three garbage
         collections over a heap vLLM no longer keeps frozen), which would only delay the result.
         A stop for a re-plan still closes it: the next gang starts on the same devices."""
-        self._close_engine = close_engine
         try:
-            return self._run(master_addr, master_port)
+            return self._run(master_addr, master_port, close_engine)
         except Exception as exc:
             self._event("warning", f"controller {self.rank} failed: {exc}",
                         {"traceback": traceback.format_exc()[-4000:]})
             raise
 
-    def _run(self, master_addr: str, master_port: int) -> dict[str, Any]:
+    def _run(self, master_addr: str, master_port: int, close_engine: bool) -> dict[str, Any]:
         cfg = self.cfg
         self._setup(master_addr, master_port)
         self._warm_start()
@@ -840,7 +839,7 @@ class ControllerLoop:
             if self.rank == 0:
                 ckpt.export_final(self.run_dir / "final", policy=self.learner.policy,
                                   tokenizer=self.learner.tokenizer, state_dict=final)
-        if self.engine is not None and self._close_engine:
+        if self.engine is not None and close_engine:
             self.engine.close()
         return {"rank": self.rank, "step": self.state["step"], "eval": self.state["eval"]}
 

@@ -161,23 +161,17 @@ def _sample(prompt: str, out, completion, tokenizer=None) -> Sample:
     """A yatt sample from vLLM's RequestOutput and one of its CompletionOutputs. ``tokenizer``:
     the request was not detokenized (``SamplingParams.detokenize=False``): the text is decoded
     here, once, from the token ids."""
-    from vllm.logprobs import FlatLogprobs
-
     ids = list(completion.token_ids)
-    lp = completion.logprobs
-    if isinstance(lp, FlatLogprobs):  # logprobs=0: one entry a position, the sampled token's
-        if lp.token_ids != ids or lp.end_indices != list(range(1, len(ids) + 1)):
-            raise RuntimeError("vLLM's flat log-probs do not line up with the sampled tokens")
-        logprobs = list(lp.logprobs)
-    else:
-        logprobs = [step[tok].logprob for tok, step in zip(ids, lp or [], strict=True)]
+    lp = completion.logprobs  # flat (`_params`), logprobs=0: one entry a position, the sampled token's
+    if lp is None or lp.token_ids != ids or lp.end_indices != list(range(1, len(ids) + 1)):
+        raise RuntimeError("vLLM's flat log-probs do not line up with the sampled tokens")
     text = completion.text if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
     return Sample(
         prompt=prompt,
         prompt_ids=list(out.prompt_token_ids or []),
         response_ids=ids,
         response_text=text,
-        logprobs=logprobs,
+        logprobs=list(lp.logprobs),
         finish_reason="length" if completion.finish_reason == "length" else "stop",
     )
 
@@ -302,10 +296,6 @@ class VLLMEngine:
             detokenize=bool(r.stop),
         )
 
-    def _decoder(self):
-        """The tokenizer `_sample` decodes with: None when vLLM detokenized (stop strings)."""
-        return None if self.rollout.stop else self.tokenizer
-
     def _gather_prompts(self, prompts: list[str]) -> tuple[list[str], int]:
         """Tensor parallel: every rank's prompts in rank order, and where this rank's start."""
         import torch.distributed as dist
@@ -326,8 +316,9 @@ class VLLMEngine:
         return samples[before * n : (before + len(prompts)) * n]
 
     def _generate(self, prompts: list[str], n: int) -> list[Sample]:
-        outputs = self.llm.generate(prompts, self._params(n), use_tqdm=False)
-        samples, decoder = [], self._decoder()
+        params = self._params(n)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples, decoder = [], None if params.detokenize else self.tokenizer
         for prompt, out in zip(prompts, outputs, strict=True):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 samples.append(_sample(prompt, out, c, decoder))
@@ -345,8 +336,9 @@ class VLLMEngine:
         if engine.has_unfinished_requests():
             raise RuntimeError("generate_stream needs an idle engine")
         expanded = [p for p in prompts for _ in range(n)]
-        decoder = self._decoder()
-        request_ids = self.llm.enqueue(expanded, self._params(1), use_tqdm=False)
+        params = self._params(1)
+        decoder = None if params.detokenize else self.tokenizer
+        request_ids = self.llm.enqueue(expanded, params, use_tqdm=False)
         # enqueue answers the engine's internal ids ("<id>-<random>"); outputs carry "<id>"
         index = {str(rid): i for i, rid in enumerate(request_ids)}
         index.update({str(rid).rsplit("-", 1)[0]: i for i, rid in enumerate(request_ids)})
