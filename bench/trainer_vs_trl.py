@@ -270,7 +270,7 @@ def case_limit(tokens: int, compiled: bool = False) -> dict:
     # and an engine per core at once, each with its share of the prompts (small models often
     # generate faster that way: no thread syncs inside each tiny GEMM)
     per_core = _generation_per_core(tokens, cores, compiled) if cores > 1 and PROMPTS % cores == 0 else None
-    gen_s, gen_fastest, samples = _timed_generation(cfg, prompts, cores)
+    gen_s, gen_fastest, samples, _ = _timed_generation(cfg, prompts, cores)
     gen_tokens = sum(len(s.response_ids) for s in samples)
     one_engine = {"seconds": gen_s, "fastest": gen_fastest, "tokens": gen_tokens}
     if per_core is not None and per_core["seconds"] / per_core["tokens"] < gen_s / gen_tokens:
@@ -331,28 +331,49 @@ def case_limit(tokens: int, compiled: bool = False) -> dict:
             "train_device_cores": cfg.placement.cpus_per_device, "train_device_passes": one_device}
 
 
-def _timed_generation(cfg, prompts: list[str], threads: int) -> tuple[float, float, list]:
+def _timed_generation(cfg, prompts: list[str], threads: int, ready=None) -> tuple[float, float, list, list]:
     """`TIMED` generations (after a warm-up) of ``prompts`` × N by one vLLM engine: the median
-    one's seconds, the fastest one's, and the median one's samples (each draw is as long as it
-    happens to be; the median draw's tokens go with its time)."""
+    one's seconds, the fastest one's, the median one's samples (each draw is as long as it
+    happens to be; the median draw's tokens go with its time), and the wall-clock window
+    (start, end) of the timed ones. ``ready``: called after the warm-up, before the first timed
+    generation (the per-core engines' barrier, `_shard_barrier`)."""
     from trainer.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(MODEL, cfg, threads=threads)
     try:
         engine.generate(prompts, N)  # warm-up
+        if ready is not None:
+            ready()
         runs = []
+        start = time.time()
         for _ in range(TIMED):
             t = time.perf_counter()
             out = engine.generate(prompts, N)
             runs.append((time.perf_counter() - t, out))
+        window = [start, time.time()]
     finally:
         engine.close()
     runs.sort(key=lambda r: r[0])
-    return runs[len(runs) // 2][0], runs[0][0], runs[len(runs) // 2][1]
+    return runs[len(runs) // 2][0], runs[0][0], runs[len(runs) // 2][1], window
 
 
-def case_gen_shard(tokens: int, shard: int, shards: int, compiled: bool = False) -> dict:
-    """One core's engine of the per-core layout: its share of the step's prompts, 1 thread."""
+def _shard_barrier(folder: Path, shard: int, shards: int, timeout: float = 900.0) -> None:
+    """Wait until every per-core engine has started and warmed up (a file each in ``folder``), so
+    that their timed generations run at once, as colocated controllers' do. Without it the
+    engines' start-up (6-30 s each, uneven) decided how much of their timing overlapped: none,
+    in the run that found it (2026-12-07), so each engine had been timed with the other core idle."""
+    (folder / f"ready-{shard}").touch()
+    deadline = time.time() + timeout
+    while sum(1 for _ in folder.glob("ready-*")) < shards:
+        if time.time() > deadline:
+            raise TimeoutError(f"the other per-core engines were not ready in {timeout:.0f} s")
+        time.sleep(0.005)
+
+
+def case_gen_shard(tokens: int, shard: int, shards: int, compiled: bool = False,
+                   barrier: Path | None = None) -> dict:
+    """One core's engine of the per-core layout: its share of the step's prompts, 1 thread; with
+    ``barrier``, its timed generations start when every shard's engine is ready."""
     import torch
 
     from trainer.config import parse_config
@@ -362,8 +383,11 @@ def case_gen_shard(tokens: int, shard: int, shards: int, compiled: bool = False)
     cfg = parse_config(yatt_config(tokens, 1, "colocate", compiled))
     train, _ = load_task(cfg)
     share = PROMPTS // shards
-    seconds, fastest, samples = _timed_generation(cfg, [e.prompt for e in train[shard * share:(shard + 1) * share]], 1)
-    return {"seconds": seconds, "fastest": fastest, "tokens": sum(len(s.response_ids) for s in samples)}
+    ready = (lambda: _shard_barrier(barrier, shard, shards)) if barrier is not None else None
+    seconds, fastest, samples, window = _timed_generation(
+        cfg, [e.prompt for e in train[shard * share:(shard + 1) * share]], 1, ready)
+    return {"seconds": seconds, "fastest": fastest, "tokens": sum(len(s.response_ids) for s in samples),
+            "window": window}
 
 
 def _generation_per_core(tokens: int, cores: int, compiled: bool = False) -> dict | None:
@@ -375,14 +399,20 @@ def _generation_per_core(tokens: int, cores: int, compiled: bool = False) -> dic
         outs = [Path(tmp) / f"{i}.json" for i in range(cores)]
         procs = [subprocess.Popen(["taskset", "-c", str(i), sys.executable, __file__, "--child",
                                    f"gen-shard-{i}-{cores}" + ("-compiled" if compiled else ""),
-                                   "--tokens", str(tokens), "--json", str(outs[i])],
+                                   "--tokens", str(tokens), "--json", str(outs[i]), "--barrier", tmp],
                                   env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for i in range(cores)]
         if any(p.wait(timeout=900) != 0 for p in procs):
             return None
         shards = [json.loads(o.read_text()) for o in outs]
     return {"seconds": max(r["seconds"] for r in shards), "fastest": max(r["fastest"] for r in shards),
-            "tokens": sum(r["tokens"] for r in shards)}
+            "tokens": sum(r["tokens"] for r in shards), "overlap": overlap([r["window"] for r in shards])}
+
+
+def overlap(windows: list[list[float]]) -> float:
+    """The share of the longest of these (start, end) windows during which all of them ran."""
+    common = min(e for _, e in windows) - max(s for s, _ in windows)
+    return max(0.0, common) / max(max(e - s for s, e in windows), 1e-9)
 
 
 def run_child(case: str, tokens: int, steps: int, out: Path, timeout: float) -> dict:
@@ -551,7 +581,12 @@ def _layouts(lim: dict) -> str:
     if not one or not per:
         return ""
     rate = {"one engine": one["tokens"] / one["seconds"], "an engine per core": per["tokens"] / per["seconds"]}
-    return (f", {lim['generation_layout']}; " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in rate.items()))
+    # saved results from before the barrier (`_shard_barrier`) have no overlap: their engines'
+    # timed runs overlapped by chance, if at all
+    at_once = (f" (their timed runs {per['overlap']:.0%} at once)" if "overlap" in per
+               else " (not synchronized: they may not have run at once)")
+    return (f", {lim['generation_layout']}; " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in rate.items())
+            + at_once)
 
 
 def plot(curves: dict[str, list[float]], title: str, path: Path) -> None:
@@ -581,6 +616,7 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--barrier", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=None,
                     help="steps per case (default 20 on a short workload, 6 on a generation-heavy one)")
     ap.add_argument("--workloads", default="32,256", help="new tokens per sample, comma-separated")
@@ -611,7 +647,7 @@ def main() -> None:
             kind = kind.removesuffix("-compiled")
             if kind.startswith("gen-shard-"):
                 shard, shards = (int(x) for x in kind.removeprefix("gen-shard-").split("-"))
-                res = case_gen_shard(a.tokens, shard, shards, compiled)
+                res = case_gen_shard(a.tokens, shard, shards, compiled, a.barrier)
             else:
                 res = case_limit(a.tokens, compiled)
         a.json.write_text(json.dumps(res))
