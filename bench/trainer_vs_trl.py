@@ -360,8 +360,9 @@ def _timed_generation(cfg, prompts: list[str], threads: int, ready=None) -> tupl
 def _shard_barrier(folder: Path, shard: int, shards: int, timeout: float = 900.0) -> None:
     """Wait until every per-core engine has started and warmed up (a file each in ``folder``), so
     that their timed generations run at once, as colocated controllers' do. Without it the
-    engines' start-up (6-30 s each, uneven) decided how much of their timing overlapped: none,
-    in the run that found it (2026-12-07), so each engine had been timed with the other core idle."""
+    engines' start-up (seconds each, uneven) decided how much of their timing overlapped: none
+    on the short workload in the run that found it (2026-12-07), so each engine had been timed
+    with the other core idle."""
     (folder / f"ready-{shard}").touch()
     deadline = time.time() + timeout
     while sum(1 for _ in folder.glob("ready-*")) < shards:
