@@ -357,12 +357,13 @@ def _timed_generation(cfg, prompts: list[str], threads: int, ready=None) -> tupl
     return runs[len(runs) // 2][0], runs[0][0], runs[len(runs) // 2][1], window
 
 
-def _shard_barrier(folder: Path, shard: int, shards: int, timeout: float = 900.0) -> None:
+def _shard_barrier(folder: Path, shard: int, shards: int, timeout: float = 300.0) -> None:
     """Wait until every per-core engine has started and warmed up (a file each in ``folder``), so
     that their timed generations run at once, as colocated controllers' do. Without it the
     engines' start-up (seconds each, uneven) decided how much of their timing overlapped: none
     on the short workload in the run that found it (2026-12-07), so each engine had been timed
-    with the other core idle."""
+    with the other core idle. ``timeout`` bounds the wait when another shard died starting (a
+    compiled engine starts in 20-36 s here)."""
     (folder / f"ready-{shard}").touch()
     deadline = time.time() + timeout
     while sum(1 for _ in folder.glob("ready-*")) < shards:
