@@ -41,7 +41,13 @@ from trainer.placement.cost_model import evening_share
 from trainer.rollout.decode_delay import apply_decode_delay
 from trainer.sampling import DynamicSampler, Group
 from trainer.telemetry import DeviceMonitor, PhaseRecorder
-from trainer.weight_sync import TrainerWeightSync, WeightReceiver, WeightSyncGroup, drain_weights
+from trainer.weight_sync import (
+    TrainerWeightSync,
+    WeightReceiver,
+    WeightSyncGroup,
+    drain_weights,
+    sampler_wire_dtype,
+)
 
 __all__ = ["PromptStream", "PromptShards", "ControllerLoop", "RolloutWorker"]
 
@@ -281,7 +287,8 @@ class ControllerLoop:
         self._device_metrics: dict[str, float] = {}
         self._remote_spans: list[dict[str, Any]] = []
         self.weight_sync = TrainerWeightSync(
-            device=device, bucket_bytes=int(self.cfg.rollout.weight_sync_bucket_mb * 2**20))
+            device=device, bucket_bytes=int(self.cfg.rollout.weight_sync_bucket_mb * 2**20),
+            wire_dtype=sampler_wire_dtype(self.cfg, device_type))
         # placement.mode=auto: the driver may ask the gang to stop at a step boundary and re-plan
         self.stoppable = stoppable
         self.prompt_shards = prompt_shards  # > 0: PromptShards, whose positions survive a new world size

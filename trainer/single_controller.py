@@ -56,7 +56,7 @@ from typing import Any
 
 from trainer.driver import Driver, _ControllerDied, _short
 from trainer.placement.plan import PlacementPlan
-from trainer.weight_sync import TrainerWeightSync
+from trainer.weight_sync import TrainerWeightSync, sampler_wire_dtype
 
 __all__ = ["SingleControllerDriver", "TrainingRank", "pack_payload", "unpack_payload",
            "split_evenly", "step_overhead"]
@@ -120,7 +120,8 @@ class TrainingRank:
         self.model_dir = model_dir
         self.monitor = DeviceMonitor(device, device_type=device_type, cores=cores)
         self.weight_sync = TrainerWeightSync(
-            device=device, bucket_bytes=int(self.cfg.rollout.weight_sync_bucket_mb * 2**20))
+            device=device, bucket_bytes=int(self.cfg.rollout.weight_sync_bucket_mb * 2**20),
+            wire_dtype=sampler_wire_dtype(self.cfg, device_type))
         torch.set_num_threads(max(1, int(cores)))
 
     def pid(self) -> int:

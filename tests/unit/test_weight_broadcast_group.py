@@ -110,3 +110,31 @@ def test_broadcast_reaches_every_receiver_bit_exact_bucket_by_bucket():
                 assert torch.equal(got[name], tensor), (rank, version, name)
         # the loader that stopped early is an error, and the group stays in step for round 3
         assert err2 is not None and "stopped before the end" in err2
+
+
+def test_a_wire_dtype_sends_floating_tensors_cast_and_the_rest_as_they_are():
+    # a bf16 sampler's weights travel in bf16: the receiver gets exactly what its loader's own
+    # cast of the fp32 tensor would give, integer and boolean tensors untouched, half the bytes
+    _, port = rendezvous.host("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(port, 1, 2, ["load"], out))
+    proc.start()
+    try:
+        sender = WeightBroadcaster(WeightSyncGroup("127.0.0.1", port, 0, 2, timeout_s=300),
+                                   bucket_bytes=512)
+        sent = _weights(4)
+        stats = sender.broadcast(3, sent.items(), dtype=torch.bfloat16)
+        _rank, version, _buckets, nbytes, raw, err = out.get(timeout=120)
+    finally:
+        proc.join(timeout=60)
+    assert err is None and version == 3
+    got = torch.load(io.BytesIO(raw))
+    assert list(got) == list(sent)
+    wire = 0
+    for name, tensor in sent.items():
+        want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+        wire += want.numel() * want.element_size()
+    assert stats.bytes == nbytes == wire
+    assert wire < sum(t.numel() * t.element_size() for t in sent.values()) * 0.6
