@@ -10,6 +10,7 @@ from tests.e2e import trainer_helpers as helpers
 from tests.e2e.trainer_helpers import read_events, read_metrics, read_summary, tiny_config
 from tests.unit.test_telemetry import FakeApi, free_port, wait_for
 from trainer.entry import run_training
+from trainer.weight_sync import sampler_wire_dtype
 
 # DESIGN.md §3.7: what every RL step reports.
 STEP_KEYS = [
@@ -97,7 +98,11 @@ def test_grpo_with_vllm_disaggregated_moves_weights_by_bucketed_broadcast(ray_he
     summary = run_training(cfg, tmp_path, env={})
     assert summary["steps"] == 3 and summary["restarts"] == 0
     initial = AutoModelForCausalLM.from_pretrained(nano_model).state_dict()
-    policy_bytes = sum(t.numel() * t.element_size() for t in initial.values())
+    # the policy's floating-point tensors travel in the dtype the engine computes in: bf16 on a
+    # CPU with native bf16, half the bytes of the learner's fp32 weights
+    wire = torch.empty((), dtype=sampler_wire_dtype(cfg, "cpu")).element_size()
+    policy_bytes = sum(t.numel() * (wire if t.is_floating_point() else t.element_size())
+                       for t in initial.values())
     steps = [m for m in read_metrics(tmp_path) if m["step"] > 0]
     for m in steps:
         assert m["weight_sync/bytes"] == policy_bytes  # one copy of the policy per step
