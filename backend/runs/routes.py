@@ -4,7 +4,7 @@ each route checks who may call it and hands over to the service modules of `back
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
@@ -79,6 +79,19 @@ _409: dict[int | str, dict[str, Any]] = {409: {"description": "Illegal state mov
 
 def _csv(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _in_utc(value: datetime | None, name: str) -> datetime | None:
+    """A date-time query bound in UTC (the database compares in UTC); a bound with no zone is
+    UTC already. 422 naming the field when its UTC time falls outside the years 1-9999
+    (e.g. `0001-01-01T00:01:00+01:02`), which the database layer cannot convert."""
+    if value is None or value.tzinfo is None:
+        return value
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise HTTPException(422, f"{name} is out of range once converted to UTC "
+                                 "(it must fall within the years 1-9999)") from None
 
 
 # --- experiments -----------------------------------------------------------------------------
@@ -219,8 +232,8 @@ def list_runs(
         tags=tag or [],
         launched_by=launched_by,
         text=q,
-        created_since=created_since,
-        created_until=created_until,
+        created_since=_in_utc(created_since, "created_since"),
+        created_until=_in_utc(created_until, "created_until"),
         sort=sort,
         cursor=cursor,
         limit=limit,
