@@ -83,10 +83,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -136,8 +132,7 @@ def sampler_wire_dtype(cfg: Any, device_type: str) -> torch.dtype:
     in 67 ms a step before)."""
     from trainer.precision import sampler_dtype
 
-    name = sampler_dtype(cfg, "cuda" if device_type == "gpu" else "cpu")
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return getattr(torch, sampler_dtype(cfg, "cuda" if device_type == "gpu" else "cpu"))
 
 
 def drain_weights(named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -229,19 +224,16 @@ class WeightBroadcaster:
                 sent = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
                 entries.append([name, str(sent).removeprefix("torch."), list(tensor.shape), offset])
                 wire.append(sent)
-                offset = _aligned(offset + tensor.numel() * _itemsize(sent))
+                offset = _aligned(offset + tensor.numel() * sent.itemsize)
             meta = json.dumps(entries).encode()
             data_start = _aligned(len(meta))
             payload = torch.empty(data_start + offset, dtype=torch.uint8, device=device)
             payload[: len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
             for (_name, tensor), entry, sent in zip(bucket, entries, wire, strict=True):
                 at = data_start + entry[3]
-                nbytes = tensor.numel() * _itemsize(sent)
-                if sent == tensor.dtype:
-                    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-                    payload[at : at + nbytes].copy_(flat)
-                else:  # cast straight into the payload: no intermediate copy
-                    payload[at : at + nbytes].view(sent).copy_(tensor.detach().reshape(-1))
+                nbytes = tensor.numel() * sent.itemsize
+                # copied (and cast, where `dtype` asks) straight into the payload
+                payload[at : at + nbytes].view(sent).copy_(tensor.detach().reshape(-1))
                 stats.bytes += nbytes
             self.group.broadcast(torch.tensor([version, len(meta), payload.numel()],
                                               dtype=torch.int64, device=device))
