@@ -138,3 +138,46 @@ def test_a_wire_dtype_sends_floating_tensors_cast_and_the_rest_as_they_are():
         wire += want.numel() * want.element_size()
     assert stats.bytes == nbytes == wire
     assert wire < sum(t.numel() * t.element_size() for t in sent.values()) * 0.6
+
+
+def _keeping_receiver(port: int, rounds: int, out: Any) -> None:
+    # a loader that keeps the views it is handed (as vLLM's in-place CPU loader may), unread
+    # until every round is in: a receiver that filled a bucket buffer of an earlier round again
+    # would change what they show
+    torch.set_num_threads(1)
+    receiver = WeightReceiver(WeightSyncGroup("127.0.0.1", port, 1, 2, timeout_s=300))
+    kept: list[dict[str, torch.Tensor]] = []
+    for _ in range(rounds):
+        views: dict[str, torch.Tensor] = {}
+        receiver.receive(lambda named, views=views: views.update(named))
+        kept.append(views)
+    # copied only now, after the last round (views of one buffer in several dtypes cannot be saved)
+    out.put([_as_bytes({name: t.clone() for name, t in views.items()}) for views in kept])
+
+
+def test_rounds_of_changing_sizes_arrive_whole_and_views_a_loader_kept_stay_valid():
+    # the sender packs every round into one buffer it keeps (grown when a round needs more), the
+    # receiver prepares the next round's buffers after each round: neither may leak one round
+    # into another, whether the next round's buckets are the same sizes, larger or fewer
+    _, port = rendezvous.host("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    bigger = {**_weights(2), "embed.weight": torch.randn(90, 16)}  # a larger first bucket
+    fewer = {"embed.weight": torch.randn(40, 16), "layer.0.bias": torch.randn(8)}
+    rounds = [_weights(1), bigger, _weights(3), fewer, _weights(5)]
+    proc = ctx.Process(target=_keeping_receiver, args=(port, len(rounds), out))
+    proc.start()
+    try:
+        sender = WeightBroadcaster(WeightSyncGroup("127.0.0.1", port, 0, 2, timeout_s=300),
+                                   bucket_bytes=512)
+        for version, weights in enumerate(rounds):
+            sender.broadcast(version, weights.items())
+        kept = out.get(timeout=120)
+    finally:
+        proc.join(timeout=60)
+    assert len(kept) == len(rounds)
+    for version, (raw, sent) in enumerate(zip(kept, rounds, strict=True)):
+        got = torch.load(io.BytesIO(raw))
+        assert list(got) == list(sent), version
+        for name, tensor in sent.items():
+            assert torch.equal(got[name], tensor), (version, name)
