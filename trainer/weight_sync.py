@@ -330,7 +330,7 @@ class WeightReceiver:
                     for s in shape:
                         numel *= s
                     at = data_start + offset
-                    nbytes = numel * torch.empty((), dtype=dt).element_size()
+                    nbytes = numel * dt.itemsize
                     stats.bytes += nbytes
                     stats.tensors += 1
                     yield name, payload[at : at + nbytes].view(dt).view(shape)

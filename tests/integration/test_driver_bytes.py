@@ -19,7 +19,9 @@ ray_head = helpers.ray_head
 
 
 def rank_actor(ray, records):
-    """A rank with records to drain (parallel) and an echo for counted calls (single)."""
+    """A rank with records to drain (parallel) and an echo for counted calls (single), started:
+    the driver waits 60 s for a drain, meant for a live rank, and a worker process starting on a
+    loaded 2-core machine took 59 s to import what the class needs (a CI run, 2026-12-07)."""
 
     class Rank:  # defined in a function: Ray ships it by value to the worker
         def __init__(self, records):
@@ -33,7 +35,9 @@ def rank_actor(ray, records):
             prompts, n = unpack_payload(payload)
             return pack_payload({"samples": [p * n for p in prompts]})
 
-    return ray.remote(Rank).remote(records)
+    actor = ray.remote(Rank).remote(records)
+    ray.get(actor.__ray_ready__.remote(), timeout=600)
+    return actor
 
 
 def metrics_record(rank: int, step: int) -> dict:
