@@ -47,8 +47,9 @@ pytest_plugins = ["tests.cpu_use"]
 
 def long_context_model(directory: Path) -> str:
     """A config.json of the `micro` preset's shape with a 32,768-token context: small weights, but
-    a vLLM-CPU KV cache that can use 8 GiB in bf16 (256 sequences at full length; the preset's
-    512 tokens cap it at 128 MiB), so `rollout.kv_cache_gb` is what a memory refusal turns on."""
+    a vLLM-CPU KV cache that can use 4 GiB in bf16 (a default step's 16 prompts × 8 samples at
+    full length; the preset's 512 tokens cap it at 64 MiB), so `rollout.kv_cache_gb` is what a
+    memory refusal turns on."""
     import json
 
     from trainer.models import PRESETS

@@ -216,8 +216,10 @@ class RolloutConfig(_Group):
     stop: list[str] = Field(default_factory=list)
     kv_cache_gb: float = Field(1.0, gt=0, description=(
         "vLLM's KV cache on CPU (VLLM_CPU_KVCACHE_SPACE), allocated and zeroed when the engine "
-        "starts; at most what 256 sequences at the model's full length fill (a larger setting "
-        "allocates that much, since more is never used)."))
+        "starts; at most what the engine's scheduler can fill: the sequences one generate of the "
+        "run holds (`train.batch_size` × `n`, times `sampling.max_oversample` with dynamic "
+        "sampling; at most 256) at the model's full length (a larger setting allocates that "
+        "much, since more is never used)."))
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1)
     tensor_parallel_size: int = Field(
         1, ge=1, description="vLLM tensor parallelism: each rollout engine spans this many "

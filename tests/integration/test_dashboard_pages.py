@@ -306,7 +306,7 @@ def test_launch_shows_a_placement_that_cannot_fit_beside_the_kv_cache_field(as_a
                                                                             tmp_path: Path) -> None:
     at = _open("views/launch.py")
     at.selectbox(key="l_source").set_value("paste YAML").run()
-    model = long_context_model(tmp_path / "micro-long")  # a context long enough to use 6 GiB of KV
+    model = long_context_model(tmp_path / "micro-long")  # a context long enough that its KV cannot fit
     at.text_area(key="l_yaml_paste").set_value(
         f"model:\n  path: {model}\n  preset: micro\nrollout:\n  kv_cache_gb: 6\n"
         "placement:\n  devices: 2\n  device_type: cpu\n  device_memory_gb: 3\n").run()

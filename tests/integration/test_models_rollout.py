@@ -316,17 +316,28 @@ def test_vllm_cpu_engine_counts_sampled_ranks_without_compiling(vllm_engine):
 
 def test_vllm_cpu_engine_allocates_the_kv_cache_its_scheduler_can_fill(built, vllm_engine):
     """`rollout.kv_cache_gb` is 0.25 GiB here, room for 524,288 tokens of this model's KV in fp32;
-    the scheduler runs at most 256 sequences of 512 tokens, so the engine allocates (and zeroes
-    at start) the cache for 131,072 (trainer/placement/memory.py, cpu_kv_cache_bytes)."""
+    a generate of this run holds at most 16 prompts × 8 samples, so the scheduler runs 128
+    sequences of 512 tokens and the engine allocates (and zeroes at start) the cache for 65,536
+    (trainer/placement/memory.py, cpu_max_num_seqs and cpu_kv_cache_bytes). A generate of more
+    sequences than that is served in waves, each prompt's samples as they would be at once."""
     cfg, model_dir, *_ = built
     from trainer.placement.memory import cpu_kv_cache_bytes, read_shape
 
     vc = vllm_engine.llm.llm_engine.vllm_config
     held = vc.cache_config.num_gpu_blocks * vc.cache_config.block_size
     per_token = 2 * 2 * 1 * 32 * 4  # layers, K and V, one KV head of 32, fp32
-    assert vc.scheduler_config.max_num_seqs == 256 and vc.model_config.max_model_len == 512
-    assert held == 256 * 512 < int(0.25 * 2**30) // per_token
+    assert vc.scheduler_config.max_num_seqs == 128 and vc.model_config.max_model_len == 512
+    assert held == 128 * 512 < int(0.25 * 2**30) // per_token
     assert cpu_kv_cache_bytes(cfg, read_shape(str(model_dir))) == held * per_token
+    # 150 prompts × 1 greedy sample, over the 128 the scheduler runs at once
+    prompts = [f"{a}+{b}=" for a in range(10, 25) for b in range(10)]
+    params = vllm_engine._params(1)
+    params.temperature = 0.0
+    greedy = [o.outputs[0].token_ids for o in vllm_engine.llm.generate(prompts, params, use_tqdm=False)]
+    assert len(greedy) == len(prompts) and all(greedy)
+    apart = [o.outputs[0].token_ids for p in (prompts[:75], prompts[75:])
+             for o in vllm_engine.llm.generate(p, params, use_tqdm=False)]
+    assert greedy == apart
 
 
 def test_vllm_sleep_is_a_documented_noop_on_cpu(vllm_engine):

@@ -19,7 +19,8 @@ def long_model(tmp_path_factory) -> str:
 
 def _config(kv_cache_gb: float, mode: str = "colocate", model: str = "/nonexistent/arith-micro") -> dict:
     return {"model": {"path": model, "preset": "micro"},
-            "train": {"max_steps": 2, "batch_size": 4},
+            # 16 prompts × 8 samples a generate: the long context's cache can use 4 GiB in bf16
+            "train": {"max_steps": 2, "batch_size": 16},
             "rollout": {"kv_cache_gb": kv_cache_gb},
             "placement": {"mode": mode, "devices": 2, "device_type": "cpu", "device_memory_gb": 3}}
 

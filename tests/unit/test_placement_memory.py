@@ -15,6 +15,7 @@ from trainer.placement.memory import (
     ModelShape,
     check_memory,
     cpu_kv_cache_bytes,
+    cpu_max_num_seqs,
     estimate_memory,
     model_shape,
 )
@@ -60,27 +61,50 @@ def test_estimate_puts_each_role_on_its_devices():
     assert sum(home.devices["rollout"].values()) < sum(dis.devices["rollout"].values())
     assert "reference" in dis.devices["train"] and "optimizer" in dis.devices["train"]
     assert colo.peak_bytes > dis.peak_bytes
-    # the KV cache as the engine allocates it: what 256 sequences of the preset's 512 tokens fill
+    # the KV cache as the engine allocates it: what a generate's 16 prompts × 8 samples fill at
+    # the preset's 512 tokens
     kv_bytes = {"float32": 4, "bfloat16": 2}[sampler_dtype(_cfg(), "cpu")]
-    assert colo.parts["kv_cache"] == CPU_MAX_NUM_SEQS * 512 * (4 * 2 * 2 * 32 * kv_bytes) < 1.0 * GiB
+    assert colo.parts["kv_cache"] == 16 * 8 * 512 * (4 * 2 * 2 * 32 * kv_bytes) < 1.0 * GiB
+
+
+def _with(cfg, **groups):
+    return parse_config({**cfg.model_dump(), **{g: {**getattr(cfg, g).model_dump(), **v}
+                                               for g, v in groups.items()}})
+
+
+def test_the_cpu_engine_runs_as_many_sequences_as_a_generate_of_the_run_holds():
+    """The scheduler's `max_num_seqs`: a step's prompts × `rollout.n` (one engine may sample the
+    whole batch), up to `sampling.max_oversample` times as many prompts with dynamic sampling (each
+    rank's share rounded up), never more than vLLM's default of 256."""
+    base = _cfg()
+    assert cpu_max_num_seqs(_with(base, train={"batch_size": 4})) == 4 * 8
+    assert cpu_max_num_seqs(_with(base, train={"batch_size": 4}, rollout={"n": 3})) == 12
+    # 4 prompts over 2 ranks at 1.5×: each rank asks for ceil(2 × 1.5) = 3; the bound holds 6 + 2
+    dyn = _with(base, train={"batch_size": 4}, sampling={"dynamic": True, "max_oversample": 1.5})
+    assert cpu_max_num_seqs(dyn) == (6 + 2) * 8
+    assert cpu_max_num_seqs(_with(base, train={"batch_size": 64})) == CPU_MAX_NUM_SEQS
 
 
 def test_the_cpu_kv_cache_is_the_setting_up_to_what_the_scheduler_can_fill(long_model):
-    """A vLLM-CPU engine allocates (and zeroes) `rollout.kv_cache_gb`, but never more than
-    `CPU_MAX_NUM_SEQS` sequences at the model's full length hold, each tensor-parallel rank its
-    share of the KV heads; the estimate counts what the engine allocates."""
+    """A vLLM-CPU engine allocates (and zeroes) `rollout.kv_cache_gb`, but never more than its
+    scheduler's sequences (`cpu_max_num_seqs`) at the model's full length hold, each
+    tensor-parallel rank its share of the KV heads; the estimate counts what the engine
+    allocates."""
     micro = _cfg(kv=1.0)
     per_token = 4 * 2 * 2 * 32 * {"float32": 4, "bfloat16": 2}[sampler_dtype(micro, "cpu")]
-    assert cpu_kv_cache_bytes(micro, model_shape(micro)) == 256 * 512 * per_token
+    assert cpu_kv_cache_bytes(micro, model_shape(micro)) == 128 * 512 * per_token
+    # fewer prompts a step, a smaller cache; the most sequences vLLM runs bound it
+    assert cpu_kv_cache_bytes(_with(micro, train={"batch_size": 4}), model_shape(micro)) == 32 * 512 * per_token
+    wide = _with(micro, train={"batch_size": 64})
+    assert cpu_kv_cache_bytes(wide, model_shape(wide)) == 256 * 512 * per_token
     # below the cap the setting holds, to the byte
     small = _cfg(kv=0.05)
-    assert cpu_kv_cache_bytes(small, model_shape(small)) == int(0.05 * GiB) < 256 * 512 * per_token
+    assert cpu_kv_cache_bytes(small, model_shape(small)) == int(0.05 * GiB) < 128 * 512 * per_token
     # a long context lifts the cap past the setting; two shards hold one KV head each, half the cache
     long = _cfg(long_model, kv=3.0)
     assert cpu_kv_cache_bytes(long, model_shape(long)) == 3 * GiB
-    tp = parse_config({**long.model_dump(), "rollout": {**long.rollout.model_dump(), "kv_cache_gb": 64.0,
-                                                        "tensor_parallel_size": 2}})
-    assert cpu_kv_cache_bytes(tp, model_shape(tp)) == 256 * 32768 * per_token // 2
+    tp = _with(long, rollout={"kv_cache_gb": 64.0, "tensor_parallel_size": 2})
+    assert cpu_kv_cache_bytes(tp, model_shape(tp)) == 128 * 32768 * per_token // 2
     # no shape, no cap
     assert cpu_kv_cache_bytes(long, None) == 3 * GiB
     assert estimate_memory(long).parts["kv_cache"] == 3 * GiB

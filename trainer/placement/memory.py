@@ -107,14 +107,28 @@ def model_shape(cfg: TrainerConfig) -> ModelShape | None:
     return shape
 
 
-# vLLM's default for a CPU engine (`EngineArgs`: 256 for the LLM class off the large GPUs); the
-# engine passes it explicitly, so the KV cache sized from it and the scheduler agree
+# vLLM's default for a CPU engine (`EngineArgs`: 256 for the LLM class off the large GPUs): the
+# most sequences a yatt engine's scheduler runs at once, fewer where a run never hands it as many
 CPU_MAX_NUM_SEQS = 256
+
+
+def cpu_max_num_seqs(cfg: TrainerConfig) -> int:
+    """The sequences a vLLM-CPU engine's scheduler runs at once: as many as one generate of the
+    run can hand an engine, up to vLLM's default of ``CPU_MAX_NUM_SEQS``. A generate holds at
+    most the step's prompts × `rollout.n` (the whole batch: one engine samples for every rank
+    of a single controller or a tensor-parallel group); with dynamic sampling each rank asks for
+    up to `sampling.max_oversample` times its share at a draw, rounded up (at most one prompt
+    more per rank, and a layout has no more ranks than devices). Evaluation decodes through the
+    learner, not the engine. A larger generate is still served, in waves."""
+    prompts = cfg.train.batch_size
+    if cfg.sampling.dynamic:
+        prompts = math.ceil(prompts * cfg.sampling.max_oversample) + cfg.placement.devices
+    return max(1, min(CPU_MAX_NUM_SEQS, prompts * cfg.rollout.n))
 
 
 def cpu_kv_cache_bytes(cfg: TrainerConfig, shape: ModelShape | None) -> int:
     """The KV cache a vLLM-CPU engine allocates: ``rollout.kv_cache_gb``, but no more than its
-    scheduler can fill, ``CPU_MAX_NUM_SEQS`` sequences at the model's full length, each rank of a
+    scheduler can fill, ``cpu_max_num_seqs`` sequences at the model's full length, each rank of a
     tensor-parallel engine holding its share of the KV heads. More is never used, and vLLM zeroes
     all of it when the engine starts: 1 GiB cost a controller's start 0.6-2.2 s on the Zen 4 EPYC
     (placement to warm start, 10.8 against 8.6 s and, an hour later, 10.2 against 9.6 s with the
@@ -125,7 +139,7 @@ def cpu_kv_cache_bytes(cfg: TrainerConfig, shape: ModelShape | None) -> int:
         return setting
     per_token = shape.kv_bytes_per_token(DTYPE_BYTES[sampler_dtype(cfg, "cpu")],
                                          cfg.rollout.tensor_parallel_size)
-    return min(setting, CPU_MAX_NUM_SEQS * shape.max_positions * per_token)
+    return min(setting, cpu_max_num_seqs(cfg) * shape.max_positions * per_token)
 
 
 @dataclass

@@ -241,11 +241,13 @@ class VLLMEngine:
         if on_gpu:
             kwargs.update(gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=True)
         else:
-            # Eager: compiling the graph costs minutes on a 2-core machine and buys little here.
-            from trainer.placement.memory import CPU_MAX_NUM_SEQS, cpu_kv_cache_bytes, read_shape
+            # eager unless `rollout.compile` (its first engine of a configuration compiles, 20-36 s
+            # here; later ones load the saved model)
+            from trainer.placement.memory import cpu_kv_cache_bytes, cpu_max_num_seqs, read_shape
 
-            # the cache allocated and zeroed now: no more than the scheduler's sequences can fill
-            kwargs.update(enforce_eager=not r.compile, max_num_seqs=CPU_MAX_NUM_SEQS,
+            # the cache allocated and zeroed now: no more than the scheduler's sequences can fill,
+            # and the scheduler runs no more sequences than one of the run's generates holds
+            kwargs.update(enforce_eager=not r.compile, max_num_seqs=cpu_max_num_seqs(cfg),
                           kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, read_shape(str(model_dir))))
             if r.compile and os.environ.get("YATT_VLLM_CPU_AOT", "1") != "0":
                 # load the compiled model saved by an earlier engine of this configuration
