@@ -221,6 +221,13 @@ class RolloutConfig(_Group):
         "sampling; at most 256) at the model's full length (a larger setting allocates that "
         "much, since more is never used)."))
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1)
+    sleep_level: Literal[1, 2] = Field(
+        1, description="Colocated on a GPU: how the vLLM engine sleeps while the policy trains. "
+        "1: its weights go to host memory and the KV cache is freed; 2: both are discarded (no "
+        "host copy, nothing copied back at wake-up: the weight sync after each training step "
+        "loads the whole policy anyway, and the cache wakes only after it). The engine sleeps "
+        "once a step, after the step's last draw, so dynamic sampling's refills find its weights. "
+        "A no-op on vLLM's CPU backend.")
     tensor_parallel_size: int = Field(
         1, ge=1, description="vLLM tensor parallelism: each rollout engine spans this many "
         "devices, for policies larger than one device. The controllers of a group of that many "

@@ -293,6 +293,9 @@ class ControllerLoop:
         self.stoppable = stoppable
         self.prompt_shards = prompt_shards  # > 0: PromptShards, whose positions survive a new world size
         self._stop_requested = threading.Event()
+        # colocated on a GPU, the trainer's state makes room for the local sampler's generation
+        self._swaps_device = device_type == "gpu"
+        self._trainer_away = False  # the trainer's state is in host memory while the sampler runs
 
     # ------------------------------------------------------------------ the driver's view
     def _emit(self, record: dict[str, Any]) -> None:
@@ -472,19 +475,11 @@ class ControllerLoop:
         elif pending.local or self.tensor_parallel is not None:
             # (a tensor-parallel shard takes part in its group's generate with or without prompts)
             assert self.engine is not None
-            # colocated on a GPU: the trainer's state leaves the device while the sampler generates
-            swap = self.device_type == "gpu" and hasattr(self.engine, "sleep")
             with self.recorder.span("rollout"):
-                if swap:
-                    self.learner.release_device()
-                if hasattr(self.engine, "wake"):
-                    self.engine.wake()
+                self._sampler_turn()
                 local_samples = self.engine.generate([e.prompt for e in pending.local], n)
                 apply_decode_delay(self.state["step"] + 1, local_samples)  # YATT_SLOW_DECODE
                 samples_by_share.append((pending.local, local_samples, 0))
-                if swap:
-                    self.engine.sleep()
-                    self.learner.reclaim_device()
         for ref, share in zip(pending.refs, pending.shares, strict=True):
             if ref is None:
                 continue
@@ -547,8 +542,7 @@ class ControllerLoop:
                                                      [answers[i] for i in ready])))
             ready = []
 
-        if hasattr(self.engine, "wake"):
-            self.engine.wake()
+        self._sampler_turn()
         start = time.time()
         for finished in self.engine.generate_stream([e.prompt for e in share], n):
             for i, sample in finished:
@@ -587,6 +581,26 @@ class ControllerLoop:
             return []
         return [Group(e, samples[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n], {"staleness": 0})
                 for i, e in enumerate(share)]
+
+    def _sampler_turn(self) -> None:
+        """Before the local engine generates: colocated on a GPU, the trainer's parameters,
+        gradients and optimizer state leave the device, once a step (they stay away through
+        dynamic sampling's refills), and the engine wakes."""
+        if self._swaps_device and hasattr(self.engine, "sleep") and not self._trainer_away:
+            self.learner.release_device()
+            self._trainer_away = True
+        if hasattr(self.engine, "wake"):
+            self.engine.wake()
+
+    def _trainer_turn(self) -> None:
+        """Before the step trains, after its last draw: the local engine sleeps
+        (`rollout.sleep_level`: at level 2 its weights are gone until the weight sync after this
+        step loads the new policy) and the trainer's state comes back to the device."""
+        if self.engine is not None and hasattr(self.engine, "sleep"):
+            self.engine.sleep()
+        if self._trainer_away:
+            self.learner.reclaim_device()
+            self._trainer_away = False
 
     def _note_worker(self, out: dict[str, Any], rows: int, share: float) -> None:
         """A worker's generation and reference seconds for one rollout (`ReferenceSplit`)."""
@@ -784,8 +798,7 @@ class ControllerLoop:
                                 staleness=[g.extra.get("staleness", 0) for g in groups for _ in g.samples],
                                 ref_logprobs=([list(s.ref_logprobs or []) for s in samples]
                                               if any(s.ref_logprobs for s in samples) else None))
-                if self.engine is not None and hasattr(self.engine, "sleep"):
-                    self.engine.sleep()  # colocated: free the KV cache while the policy trains
+                self._trainer_turn()
                 with self.recorder.span("train"):
                     metrics.update(self.learner.rl_step(batch, recorder=self.recorder))
                 metrics.update(self._push_weights(step))

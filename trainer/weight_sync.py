@@ -126,7 +126,7 @@ def load_in_place(engine: Any, named: Iterable[tuple[str, torch.Tensor]], versio
             yield name, tensor.detach()
 
     if hasattr(engine, "wake"):
-        engine.wake()
+        engine.wake(("weights",))  # the KV cache stays asleep until the next generate
     engine.update_weights(counted())
     stats.end = time.time()
     return stats

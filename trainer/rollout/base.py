@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -51,8 +51,9 @@ class RolloutEngine(Protocol):
         """Release what generation holds (KV cache) while the trainer uses the device."""
         ...
 
-    def wake(self) -> None:
-        """Re-acquire what ``sleep`` released; call before the next ``generate``."""
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Re-acquire what ``sleep`` released (``tags``: the parts, as vLLM names them: a weight
+        load needs only ``weights``); ``generate`` needs everything back."""
         ...
 
     def close(self) -> None: ...

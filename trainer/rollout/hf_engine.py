@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -134,7 +134,7 @@ class HFEngine:
     def sleep(self) -> None:
         """Nothing to free between calls on CPU (no cache outlives ``generate``)."""
 
-    def wake(self) -> None:
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """See ``sleep``."""
 
     def close(self) -> None:

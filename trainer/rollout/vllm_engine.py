@@ -19,7 +19,8 @@ Facts from the installed vLLM (0.32, CPU build) this relies on:
   allocated, sized up front by ``rollout.kv_cache_gb`` (``kv_cache_memory_bytes``, the setting
   ``VLLM_CPU_KVCACHE_SPACE`` feeds), and zeroed at start: a yatt engine allocates no more than
   its scheduler can fill (``trainer.placement.memory.cpu_kv_cache_bytes``). On GPUs sleep
-  level 1 frees the KV cache and offloads weights.
+  frees the KV cache and offloads the weights to host memory (`rollout.sleep_level` 1) or
+  discards them (2), since the next weight sync overwrites them anyway (`EngineSleep`).
 - Its CPU platform runs every RMSNorm through the native (PyTorch) form of vLLM's IR ops although
   the CPU build carries fused C++ kernels for them; an eager CPU engine puts those first
   (``vllm_cpu_norms.py``: 15% of a colocated rollout's time on the `small` model).
@@ -50,9 +51,10 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,7 +103,8 @@ def _load_cpu_in_place(worker, weights_iterator: Iterable[tuple[str, torch.Tenso
     ``qkv_proj``, gate/up into ``gate_up_proj``) gets its parts concatenated in mapping order,
     every linear layer gets its new weight and bias and then the same
     ``process_weights_after_loading`` the first load ran (the CPU GEMM's packing), and the other
-    parameters (norms, the embedding, whose rows past the vocabulary are padding) are copied into.
+    parameters (norms, the embedding, whose rows past the vocabulary are padding, zeroed as
+    vLLM's loader zeroes them) are copied into.
     Returns the number of tensors loaded; raises KeyError for a name the model does not have,
     and ValueError when a layer was left without some of its parts.
     """
@@ -133,6 +136,7 @@ def _load_cpu_in_place(worker, weights_iterator: Iterable[tuple[str, torch.Tenso
         if tied_head and path == "lm_head":
             return  # the embedding's own weight, loaded under its name
         target.data[: tensor.shape[0]].copy_(tensor)
+        target.data[tensor.shape[0]:].zero_()  # the padding, as vLLM's own loader leaves it
 
     for name, tensor in weights_iterator:
         loaded += 1
@@ -187,6 +191,52 @@ class TensorParallelGroup:
     size: int
     master_addr: str
     master_port: int
+
+
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class EngineSleep:
+    """What a colocated vLLM engine on a GPU gives back while the trainer uses the device.
+
+    ``sleep`` puts the engine to sleep at `rollout.sleep_level`: 1 offloads its weights to host
+    memory and discards the KV cache; 2 discards both, which a colocated policy can afford, since
+    the weight sync after every training step overwrites all of them (no host copy of the
+    weights, and no copy back at wake-up). ``wake`` brings back the parts named, and only those
+    still asleep: a weight load wakes ``weights`` alone, a generate everything (``ready``). After
+    a level-2 sleep the weights' memory holds nothing until a load: ``ready`` refuses to generate
+    from it. ``active`` is False on vLLM's CPU backend, whose sleep is a no-op, and then nothing
+    is ever asleep.
+    """
+
+    def __init__(self, llm: Any, level: int, *, active: bool):
+        self.llm, self.level, self.active = llm, level, active
+        self.asleep: set[str] = set()
+        self.weights_lost = False
+
+    def sleep(self) -> None:
+        if self.active and not self.asleep:
+            self.llm.sleep(level=self.level)
+            self.asleep = set(SLEEP_TAGS)
+            self.weights_lost = self.level >= 2
+
+    def wake(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        todo = [t for t in SLEEP_TAGS if t in tags and t in self.asleep]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self.asleep.difference_update(todo)
+
+    def loaded(self) -> None:
+        """A full set of weights has been loaded since the last sleep."""
+        self.weights_lost = False
+
+    def ready(self) -> None:
+        """Before a generate: everything awake, from weights that hold a policy."""
+        if self.weights_lost:
+            raise RuntimeError("the rollout engine's weights were discarded by a level-2 sleep "
+                               "(rollout.sleep_level=2) and no policy has been loaded since; "
+                               "load one (update_weights) before generating")
+        self.wake()
 
 
 class VLLMEngine:
@@ -279,7 +329,7 @@ class VLLMEngine:
         self.rollout = r
         self.on_gpu = on_gpu
         self.tensor_parallel = tp
-        self.sleeping = False
+        self._sleep = EngineSleep(self.llm, r.sleep_level, active=on_gpu)
         self._in_place: bool | None = None  # `_load_cpu_in_place` fits this model (first update)
 
     @property
@@ -327,6 +377,7 @@ class VLLMEngine:
         return samples[before * n : (before + len(prompts)) * n]
 
     def _generate(self, prompts: list[str], n: int) -> list[Sample]:
+        self._sleep.ready()
         params = self._params(n)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         samples, decoder = [], None if params.detokenize else self.tokenizer
@@ -343,6 +394,7 @@ class VLLMEngine:
         instead of waiting for its prompt's longest sibling."""
         if self.tensor_parallel is not None:
             raise NotImplementedError("generate_stream with rollout.tensor_parallel_size > 1")
+        self._sleep.ready()
         engine = self.llm.llm_engine
         if engine.has_unfinished_requests():
             raise RuntimeError("generate_stream needs an idle engine")
@@ -363,6 +415,9 @@ class VLLMEngine:
                 yield finished
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # the weights' memory back first, the KV cache only at the next generate (vLLM's order for
+        # RLHF: the trainer's tensors and the cache are never on the device at once)
+        self._sleep.wake(("weights",))
         weights = ((name, t.detach()) for name, t in named_tensors)
         if self._in_place is None:
             self._in_place = (not self.on_gpu and self.tensor_parallel is None
@@ -374,16 +429,13 @@ class VLLMEngine:
         if not self.on_gpu:
             self.llm.collective_rpc(_repack_cpu_gemm_weights)
         self.llm.reset_prefix_cache()
+        self._sleep.loaded()
 
     def sleep(self) -> None:
-        if self.on_gpu and not self.sleeping:
-            self.llm.sleep(level=1)
-        self.sleeping = True
+        self._sleep.sleep()
 
-    def wake(self) -> None:
-        if self.on_gpu and self.sleeping:
-            self.llm.wake_up()
-        self.sleeping = False
+    def wake(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        self._sleep.wake(tags)
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
