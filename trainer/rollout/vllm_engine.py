@@ -205,8 +205,10 @@ class EngineSleep:
     weights, and no copy back at wake-up). ``wake`` brings back the parts named, and only those
     still asleep: a weight load wakes ``weights`` alone, a generate everything (``ready``). After
     a level-2 sleep the weights' memory holds nothing until a load: ``ready`` refuses to generate
-    from it. ``active`` is False on vLLM's CPU backend, whose sleep is a no-op, and then nothing
-    is ever asleep.
+    from it. A sleep while a part is still asleep is skipped (the weights a sync woke stay awake
+    until the next generate wakes the cache; vLLM's executor would release them again, and its
+    scheduler resumes only once every part is awake). ``active`` is False
+    on vLLM's CPU backend, whose sleep is a no-op, and then nothing is ever asleep.
     """
 
     def __init__(self, llm: Any, level: int, *, active: bool):
