@@ -125,9 +125,7 @@ def load_in_place(engine: Any, named: Iterable[tuple[str, torch.Tensor]], versio
             stats.tensors += 1
             yield name, tensor.detach()
 
-    if hasattr(engine, "wake"):
-        engine.wake(("weights",))  # the KV cache stays asleep until the next generate
-    engine.update_weights(counted())
+    engine.update_weights(counted())  # a sleeping engine wakes its weights for it, not its cache
     stats.end = time.time()
     return stats
 

@@ -9,6 +9,8 @@ from typing import Literal, Protocol
 import torch
 
 FinishReason = Literal["stop", "length"]
+# what an engine's ``sleep`` gives back, by vLLM's names for its parts
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 @dataclass
@@ -51,7 +53,7 @@ class RolloutEngine(Protocol):
         """Release what generation holds (KV cache) while the trainer uses the device."""
         ...
 
-    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+    def wake(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
         """Re-acquire what ``sleep`` released (``tags``: the parts, as vLLM names them: a weight
         load needs only ``weights``); ``generate`` needs everything back."""
         ...

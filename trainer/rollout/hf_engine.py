@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import TrainerConfig
-from trainer.rollout.base import FinishReason, Sample
+from trainer.rollout.base import SLEEP_TAGS, FinishReason, Sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -134,7 +134,7 @@ class HFEngine:
     def sleep(self) -> None:
         """Nothing to free between calls on CPU (no cache outlives ``generate``)."""
 
-    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+    def wake(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
         """See ``sleep``."""
 
     def close(self) -> None:

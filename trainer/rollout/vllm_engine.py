@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from trainer.config import TrainerConfig
-from trainer.rollout.base import Sample
+from trainer.rollout.base import SLEEP_TAGS, Sample
 
 
 def _repack_cpu_gemm_weights(worker) -> int:
@@ -191,9 +191,6 @@ class TensorParallelGroup:
     size: int
     master_addr: str
     master_port: int
-
-
-SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class EngineSleep:
